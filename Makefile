@@ -1,0 +1,39 @@
+# Tandem: `make run` (the local demo) and `make test` (the test suite) work on a
+# fresh machine with only Python: both create .venv and install into it first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= configs/demo.yaml
+
+.PHONY: install run test test-fast bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+run: install
+	$(VENV)/bin/tandem init-demo models/demo-ttt
+	$(VENV)/bin/tandem up $(CONFIG)
+
+test: install
+	$(VENV)/bin/ruff check services tests
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) tests/bench/run_benchmarks.py
+
+lint: install
+	$(VENV)/bin/ruff check services tests
+
+clean:
+	rm -rf runs checkpoints build

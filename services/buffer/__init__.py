@@ -1,0 +1,1 @@
+"""Buffer service: durable store of one agent's samples; releases GRPO-group batches."""

@@ -1,0 +1,1 @@
+"""Shared runtime pieces (bus, embedded Redis, service plumbing); imports no service."""

@@ -1,0 +1,98 @@
+"""Service plumbing: CLI arguments, logging, signals, and the control stream.
+
+Every service's ``main`` parses ``--config`` (and ``--agent`` where it is
+per-agent), builds a Bus, and runs its loops until SIGTERM/SIGINT or a
+``stop`` command on the control stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from services.common.bus import Bus
+from services.contracts.config import ConfigError, TandemConfig, load_config
+from services.contracts.messages import Control
+
+
+def setup_logging(name: str) -> logging.Logger:
+    level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "httpcore", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return logging.getLogger(f"tandem.{name}")
+
+
+def parse_args(service: str, per_agent: bool, extra: Callable[[argparse.ArgumentParser], None] | None = None,
+               argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"tandem-{service}")
+    parser.add_argument("--config", required=True, help="experiment YAML")
+    if per_agent:
+        parser.add_argument("--agent", required=True, help="agent name from the config")
+    if extra:
+        extra(parser)
+    return parser.parse_args(argv)
+
+
+def load_or_exit(path: str, agent: str | None = None) -> TandemConfig:
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+    if agent is not None and agent not in cfg.agents:
+        print(f"--agent {agent!r} is not under agents in {path}", file=sys.stderr)
+        raise SystemExit(2)
+    if not cfg.redis_url:
+        print("no redis_url: start services through `tandem up`, or set TANDEM_REDIS_URL", file=sys.stderr)
+        raise SystemExit(2)
+    return cfg
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def watch_control(bus: Bus, group: str, stop: asyncio.Event,
+                        on_command: Callable[[Control], Awaitable[None]] | None = None) -> None:
+    """Each service reads every control command through its own group."""
+
+    async def handle(cmd: Control) -> None:
+        if on_command is not None:
+            await on_command(cmd)
+        if cmd.command == "stop":
+            stop.set()
+
+    await bus.consume(bus.streams.control, group, group, Control, handle, stop, start="$")
+
+
+async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitable[None]) -> None:
+    """Run the loops until ``stop`` is set, then cancel what is left and close the bus."""
+    log = logging.getLogger(f"tandem.{name}")
+    install_signal_handlers(stop)
+    tasks = [asyncio.ensure_future(x) for x in loops]
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    for t in done:
+        if t is not stopper and t.exception() is not None:
+            log.error("loop failed: %r", t.exception())
+            stop.set()
+            for other in tasks:
+                other.cancel()
+            await bus.close()
+            raise t.exception()  # type: ignore[misc]
+    stop.set()
+    await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await bus.close()
+    log.info("stopped")

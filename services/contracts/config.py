@@ -1,0 +1,184 @@
+"""Experiment configuration (DESIGN §7): one YAML file, validated at start.
+
+Every service reads the same file. Environment variables override single
+fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and
+``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from services.contracts.messages import SamplingParams
+
+PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+BUILTIN_ALGORITHMS = ("grpo",)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AlgorithmConfig(Strict):
+    name: str = "grpo"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float = Field(0.2, gt=0)
+    epochs: int = Field(1, ge=1, description="passes over each batch")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
+    max_grad_norm: float = Field(1.0, gt=0)
+    normalize_std: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in BUILTIN_ALGORITHMS and not PLUGIN_PATH.match(v):
+            raise ValueError(f"unknown algorithm {v!r}; built-ins: {', '.join(BUILTIN_ALGORITHMS)} "
+                             "or a plug-in as package.module:Name")
+        return v
+
+
+class AgentConfig(Strict):
+    model_path: str
+    backend: Literal["torch", "megatron"] = "torch"
+    engine: Literal["embedded", "sglang"] = "embedded"
+    num_engines: int = Field(1, ge=1)
+    max_inflight_per_engine: int = Field(64, ge=1)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    groups_per_batch: int = Field(4, ge=1)
+    max_staleness: int = Field(0, ge=0)
+    filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    lora: dict[str, Any] | None = None
+    seed: int = 0
+
+    @field_validator("backend")
+    @classmethod
+    def _backend_available(cls, v: str) -> str:
+        if v == "megatron":
+            raise ValueError("backend 'megatron' is not available yet in this build; use 'torch'")
+        return v
+
+
+class EvalConfig(Strict):
+    episodes: int = Field(64, ge=0)
+    opponent: str = "random"
+    temperature: float = Field(1.0, ge=0)
+
+
+class EnvironmentConfig(Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    group_size: int = Field(8, ge=1)
+    roles: dict[str, str] = Field(description="environment role -> agent name")
+    alternate_roles: bool = Field(False, description="rotate the role->agent map every group")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if ":" in v and not PLUGIN_PATH.match(v):
+            raise ValueError(f"{v!r} is not a plug-in path of the form package.module:Class")
+        return v
+
+
+class RunConfig(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    total_steps: int = Field(10, ge=1, description="training steps (weight versions) per agent")
+    concurrent_episodes: int = Field(16, ge=1)
+    checkpoint_root: str = "checkpoints"
+    output_dir: str = "runs"
+
+
+class ApiConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8900, ge=0, le=65535)
+    token: str = ""
+
+
+class TandemConfig(Strict):
+    run: RunConfig
+    redis_url: str = ""
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    environment: EnvironmentConfig
+    agents: dict[str, AgentConfig] = Field(min_length=1)
+
+    @field_validator("agents")
+    @classmethod
+    def _agent_names(cls, v: dict[str, AgentConfig]) -> dict[str, AgentConfig]:
+        for name in v:
+            if not re.match(r"^[A-Za-z0-9_-]+$", name):
+                raise ValueError(f"agent name {name!r} may hold only letters, digits, _ and -")
+        return v
+
+    @model_validator(mode="after")
+    def _roles_name_agents(self) -> TandemConfig:
+        for role, agent in self.environment.roles.items():
+            if agent not in self.agents:
+                raise ValueError(f"environment.roles.{role} names agent {agent!r}, "
+                                 f"which is not under agents ({', '.join(self.agents)})")
+        return self
+
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
+    node[path[-1]] = yaml.safe_load(value) if value != "" else ""
+
+
+def apply_env_overrides(data: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    env = os.environ if environ is None else environ
+    if "TANDEM_REDIS_URL" in env:
+        data["redis_url"] = env["TANDEM_REDIS_URL"]
+    if "TANDEM_RUN_NAME" in env:
+        data.setdefault("run", {})["name"] = env["TANDEM_RUN_NAME"]
+    for key, value in env.items():
+        if key.startswith("TANDEM__"):
+            _set_path(data, key[len("TANDEM__"):].split("__"), value)
+    return data
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {field}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], source: str = "<dict>") -> TandemConfig:
+    try:
+        return TandemConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path, environ: dict[str, str] | None = None) -> TandemConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {p} must be a mapping at the top level")
+    return parse_config(apply_env_overrides(data, environ), str(p))

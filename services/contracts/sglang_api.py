@@ -1,0 +1,100 @@
+"""The SGLang native HTTP API (DESIGN §5) as Tandem speaks it.
+
+Field names follow SGLang's own request structs (``GenerateReqInput``,
+``UpdateWeightFromDiskReqInput``) and its ``/generate`` reply. The embedded
+engine serves these models; the rollout service sends and parses them, so the
+same rollout code drives SGLang on GPU and the embedded engine on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class GenerateSamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(128, ge=0)
+    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    sampling_seed: int | None = None
+
+
+class GenerateReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: Literal[False] = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateReqInput:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if self.input_ids is not None and len(self.input_ids) == 0:
+            raise ValueError("input_ids is empty")
+        if self.text is not None and self.text == "":
+            raise ValueError("text is empty")
+        return self
+
+
+class FinishReason(BaseModel):
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    # SGLang shape: one [logprob, token_id, token_text_or_None] per output token
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+
+
+class GenerateReqOutput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class UpdateWeightFromDiskReqOutput(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class AbortReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+def error_body(message: str, code: int = 400) -> dict[str, Any]:
+    """SGLang-style error object."""
+    return {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": code}

@@ -1,0 +1,60 @@
+"""Coordinator entry point: ``python -m services.coordinator --config C [--port P]``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import uvicorn
+
+from services.common.bus import Bus
+from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
+from services.contracts.messages import Control, Event, GenerateReply
+from services.coordinator.api import create_app
+from services.coordinator.report import write_report
+from services.coordinator.scheduler import Coordinator
+
+
+async def main_async(config: str, port: int | None) -> int:
+    log = setup_logging("coordinator")
+    cfg = load_or_exit(config)
+    bus = Bus(cfg.redis_url, cfg.run.name, "coordinator")
+    coord = Coordinator(cfg, bus)
+    stop = asyncio.Event()
+    s = bus.streams
+    server = uvicorn.Server(uvicorn.Config(create_app(coord), host=cfg.api.host, port=port or cfg.api.port,
+                                           log_level="warning", lifespan="off"))
+    started = time.time()
+
+    async def on_control(cmd: Control) -> None:  # commands published by someone else
+        if cmd.command in ("pause", "resume"):
+            coord.state.paused = cmd.command == "pause"
+            await coord.notify()
+
+    async def run_and_report() -> None:
+        await coord.run()
+        path = write_report(coord.state, coord.evals, cfg.run_dir(), time.time() - started)
+        log.info("report written to %s", path)
+        await bus.publish(s.control, Control(command="stop", args={"reason": coord.state.phase}))
+        server.should_exit = True
+
+    loops = [
+        bus.consume(s.replies(coord.name), "coordinator", coord.name, GenerateReply, coord.on_reply, stop,
+                    concurrency=1, count=64),
+        bus.consume(s.events, "coordinator", coord.name, Event, coord.on_event, stop),
+        watch_control(bus, "control-coordinator", stop, on_control),
+        server.serve(),
+    ]
+    runner = asyncio.ensure_future(run_and_report())
+    await run_service("coordinator", bus, stop, *loops, runner)
+    return 0 if runner.done() and not runner.cancelled() and runner.exception() is None else 1
+
+
+def main() -> None:
+    args = parse_args("coordinator", per_agent=False,
+                      extra=lambda p: p.add_argument("--port", type=int, default=None))
+    raise SystemExit(asyncio.run(main_async(args.config, args.port)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Play one episode: render each agent's view, ask the acting agent, feed the reply back.
+
+Each role played by a model keeps a token-exact view: user turns rendered with
+that agent's tokenizer and chat template (loss mask 0), and the generated ids
+exactly as the engine returned them (loss mask 1, with their rollout logprobs
+and weight version). A role may also be played by a scripted player.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams
+from services.envs.base import Environment
+from services.envs.render import close_assistant_turn, render_user_turn
+
+MAX_TURNS = 200
+SCRIPTED = "scripted:"  # a role mapped to "scripted:random" is played without a model
+
+Generate = Callable[[GenerateRequest], Awaitable[GenerateReply]]
+
+
+@dataclass
+class View:
+    agent: str
+    role: str
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    reply_ids: list[str] = field(default_factory=list)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def add_reply(self, reply: GenerateReply) -> None:
+        self.tokens += reply.output_ids
+        self.mask += [1] * len(reply.output_ids)
+        self.logprobs += reply.output_logprobs
+        self.versions.append(reply.weight_version)
+        self.engines.append(reply.engine)
+        self.reply_ids.append(reply.id)
+
+
+@dataclass
+class EpisodeResult:
+    episode_id: str
+    group_id: str
+    roles: dict[str, str]
+    rewards: dict[str, float]
+    transcript: list[dict[str, Any]]
+    views: dict[str, View]
+    summary: dict[str, Any]
+    purpose: str
+
+    def samples(self, group_size: dict[str, int]) -> list[Sample]:
+        out = []
+        for role, view in self.views.items():
+            if not any(view.mask):
+                continue
+            out.append(Sample(
+                agent=view.agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
+                group_size=group_size[view.agent], tokens=view.tokens, loss_mask=view.mask,
+                rollout_logprobs=view.logprobs, reward=self.rewards.get(role, 0.0),
+                turn_weight_versions=view.versions, engines=view.engines, reply_ids=view.reply_ids,
+            ))
+        return out
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.episode_id, "group_id": self.group_id, "purpose": self.purpose,
+                "roles": self.roles, "rewards": self.rewards, "summary": self.summary,
+                "turns": self.transcript}
+
+
+async def play_episode(
+    env: Environment,
+    episode_id: str,
+    group_id: str,
+    roles: dict[str, str],
+    tokenizers: dict[str, Any],
+    sampling: dict[str, SamplingParams],
+    generate: Generate,
+    reply_stream: str,
+    purpose: str = "train",
+    rng: random.Random | None = None,
+) -> EpisodeResult:
+    """``roles`` maps each env role to an agent name or ``scripted:<player>``."""
+    rng = rng or random.Random(episode_id)
+    views = {r: View(agent=a, role=r) for r, a in roles.items() if not a.startswith(SCRIPTED)}
+    transcript: list[dict[str, Any]] = []
+    rewards: dict[str, float] = {}
+    for turn in range(MAX_TURNS):
+        role = env.current_role()
+        agent = roles[role]
+        entry: dict[str, Any] = {"turn": turn, "role": role, "agent": agent}
+        if agent.startswith(SCRIPTED):
+            text = env.scripted_reply(role, agent[len(SCRIPTED):], rng)
+        else:
+            view, tok = views[role], tokenizers[agent]
+            if view.mask and view.mask[-1] == 1:
+                view.add_context(close_assistant_turn(tok, view.tokens))
+            observation = env.observation(role)
+            view.add_context(render_user_turn(tok, observation))
+            request = GenerateRequest(
+                agent=agent, episode_id=episode_id, group_id=group_id, turn=turn, role=role,
+                input_ids=list(view.tokens), sampling=sampling[agent], reply_stream=reply_stream,
+                purpose=purpose)
+            reply = await generate(request)
+            view.add_reply(reply)
+            text = tok.decode(reply.output_ids, skip_special_tokens=True)
+            entry.update(observation=observation, weight_version=reply.weight_version,
+                         finish_reason=reply.finish_reason, tokens=len(reply.output_ids))
+        result = await env.step(role, text)
+        entry.update(text=text, turn_rewards=result.turn_rewards)
+        transcript.append(entry)
+        if result.done:
+            rewards = dict(result.rewards)
+            break
+    else:
+        rewards = {r: 0.0 for r in roles}
+    return EpisodeResult(episode_id, group_id, roles, rewards, transcript, views, env.summary(), purpose)

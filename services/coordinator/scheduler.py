@@ -1,0 +1,211 @@
+"""The coordinator's run: evaluation, gated group launches, sample emission, the end.
+
+Main loop (``Coordinator.run``): evaluate every agent against the env's
+scripted opponent; launch GRPO groups while the staleness gate allows (see
+state.py) and the run is not paused; when every agent has loaded its last
+version, evaluate again, write the report and tell all services to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from services.common.bus import Bus
+from services.contracts.config import TandemConfig
+from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
+from services.coordinator.episode import SCRIPTED, EpisodeResult, play_episode
+from services.coordinator.state import RunState
+from services.envs.base import score_for
+from services.envs.registry import load_environment
+
+log = logging.getLogger("tandem.coordinator")
+TURN_TIMEOUT_S = 300.0
+EPISODE_CACHE = 2000
+
+
+class Coordinator:
+    def __init__(self, cfg: TandemConfig, bus: Bus, name: str = "coordinator") -> None:
+        self.cfg, self.bus, self.name = cfg, bus, name
+        self.state = RunState.from_config(cfg)
+        self.env_cls = load_environment(cfg.environment.name)
+        self.env_cls.check_params(cfg.environment.params)
+        self.tokenizers = {a: AutoTokenizer.from_pretrained(c.model_path) for a, c in cfg.agents.items()}
+        self.reply_stream = bus.streams.replies(name)
+        self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
+        self.changed = asyncio.Condition()
+        self.slots = asyncio.Semaphore(cfg.run.concurrent_episodes)
+        self.episodes: dict[str, dict[str, Any]] = {}
+        self.evals: list[dict[str, Any]] = []
+        self.group_tasks: set[asyncio.Task[None]] = set()
+
+    # --- plumbing -----------------------------------------------------------
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def generate(self, req: GenerateRequest) -> GenerateReply:
+        fut: asyncio.Future[GenerateReply] = asyncio.get_running_loop().create_future()
+        self.pending[req.id] = fut
+        try:
+            await self.bus.publish(self.bus.streams.turns(req.agent), req)
+            return await asyncio.wait_for(fut, TURN_TIMEOUT_S)
+        finally:
+            self.pending.pop(req.id, None)
+
+    async def on_reply(self, reply: GenerateReply) -> None:
+        fut = self.pending.get(reply.request_id)
+        if fut is not None and not fut.done():
+            if reply.error:
+                fut.set_exception(RuntimeError(f"generation failed: {reply.error}"))
+            else:
+                fut.set_result(reply)
+
+    async def on_event(self, ev: Event) -> None:
+        agent = self.state.agents.get(ev.agent or "")
+        if agent is None:
+            return
+        if ev.kind == "weights_loaded":
+            version = int(ev.data["version"])
+            agent.loaded_version = max(agent.loaded_version, version)
+            if version not in agent.versions_loaded:
+                agent.versions_loaded.append(version)
+        elif ev.kind == "train_step":
+            agent.train_steps.append({**ev.data, "time": ev.created_at})
+        elif ev.kind == "group_done":
+            agent.in_flight_groups = max(0, agent.in_flight_groups - 1)
+            if ev.data.get("kept"):
+                agent.kept_groups += 1
+            else:
+                agent.dropped_groups += 1
+        await self.notify()
+
+    async def control(self, command: str) -> None:
+        if command == "pause":
+            self.state.paused = True
+        elif command == "resume":
+            self.state.paused = False
+        elif command == "stop":
+            self.state.stop_requested = True
+        await self.bus.publish(self.bus.streams.control, Control(command=command))  # type: ignore[arg-type]
+        await self.notify()
+
+    async def record(self, result: EpisodeResult) -> None:
+        rec = result.record()
+        self.episodes[result.episode_id] = rec
+        if len(self.episodes) > EPISODE_CACHE:
+            self.episodes.pop(next(iter(self.episodes)))
+        await self.bus.redis.hset(self.bus.streams.episodes(), result.episode_id, json.dumps(rec))
+        self.state.episodes_done += 1
+        self.state.episode_times.append(time.time())
+
+    async def _play(self, env: Any, group_id: str, roles: dict[str, str], purpose: str,
+                    sampling: dict[str, SamplingParams]) -> EpisodeResult | None:
+        async with self.slots:
+            try:
+                result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
+                                            self.generate, self.reply_stream, purpose)
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("episode of group %s abandoned: %s", group_id, exc)
+                return None
+        await self.record(result)
+        return result
+
+    # --- training groups ----------------------------------------------------
+    def roles_for_group(self, index: int) -> dict[str, str]:
+        env_cfg = self.cfg.environment
+        roles = list(env_cfg.roles)
+        agents = [env_cfg.roles[r] for r in roles]
+        if env_cfg.alternate_roles:
+            k = index % len(agents)
+            agents = agents[k:] + agents[:k]
+        return dict(zip(roles, agents, strict=True))
+
+    def may_launch(self, roles: dict[str, str]) -> bool:
+        return all(self.state.agents[a].may_launch() for a in set(roles.values()))
+
+    async def run_group(self, index: int, roles: dict[str, str]) -> None:
+        env_cfg = self.cfg.environment
+        group_id = f"g{index:06d}-{new_id()[:8]}"
+        envs = self.env_cls.make_group(env_cfg.params, self.cfg.run.seed * 1_000_003 + index, env_cfg.group_size)
+        sampling = {a: c.sampling for a, c in self.cfg.agents.items()}
+        results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling) for e in envs))
+        done = [r for r in results if r is not None]
+        per_agent: dict[str, list[Any]] = {a: [] for a in set(roles.values())}
+        counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask))
+                  for a in per_agent}
+        for r in done:
+            for sample in r.samples(counts):
+                await self.bus.publish(self.bus.streams.samples(sample.agent), sample)
+                per_agent[sample.agent].append(sample)
+        for agent, samples in per_agent.items():
+            st = self.state.agents[agent]
+            if samples:
+                st.group_rewards.append((time.time(), sum(s.reward for s in samples) / len(samples)))
+            else:  # nothing reached the buffer: no group_done will come for it
+                st.in_flight_groups = max(0, st.in_flight_groups - 1)
+        await self.notify()
+
+    async def training_loop(self) -> None:
+        self.state.phase = "training"
+        while not self.state.stop_requested:
+            roles = self.roles_for_group(self.state.groups_launched)
+            async with self.changed:
+                await self.changed.wait_for(lambda r=roles: self.state.stop_requested or self.all_finished() or (
+                    not self.state.paused and self.may_launch(r)))
+            if self.state.stop_requested or self.all_finished():
+                break
+            for agent in set(roles.values()):
+                self.state.agents[agent].in_flight_groups += 1
+            task = asyncio.create_task(self.run_group(self.state.groups_launched, roles))
+            self.group_tasks.add(task)
+            task.add_done_callback(self.group_tasks.discard)
+            self.state.groups_launched += 1
+
+    def all_finished(self) -> bool:
+        return all(a.finished for a in self.state.agents.values())
+
+    # --- evaluation ---------------------------------------------------------
+    async def evaluate(self, agent: str) -> float:
+        env_cfg = self.cfg.environment
+        ev = env_cfg.eval
+        roles = list(self.env_cls.roles)
+        sampling = {agent: self.cfg.agents[agent].sampling.model_copy(update={"temperature": ev.temperature})}
+        jobs = []
+        for i in range(ev.episodes):
+            mine = roles[i % len(roles)]
+            mapping = {r: (agent if r == mine else f"{SCRIPTED}{ev.opponent}") for r in roles}
+            env = self.env_cls(env_cfg.params, 7_000_000 + i)
+            jobs.append((mine, self._play(env, f"eval-{agent}-{i}", mapping, "eval", sampling)))
+        results = await asyncio.gather(*(j for _, j in jobs))
+        scores = [score_for(r.rewards, mine) for (mine, _), r in zip(jobs, results, strict=True) if r]
+        return sum(scores) / max(len(scores), 1)
+
+    async def evaluate_all(self, label: str) -> dict[str, float]:
+        names = list(self.cfg.agents)
+        scores = await asyncio.gather(*(self.evaluate(a) for a in names))
+        out = dict(zip(names, scores, strict=True))
+        self.evals.append({"label": label, "time": time.time(), "scores": out,
+                           "versions": {a: self.state.agents[a].loaded_version for a in names}})
+        log.info("eval %s: %s", label, {a: round(s, 3) for a, s in out.items()})
+        return out
+
+    # --- the run ------------------------------------------------------------
+    async def run(self) -> None:
+        self.state.phase = "eval_start"
+        if self.cfg.environment.eval.episodes:
+            for agent, score in (await self.evaluate_all("start")).items():
+                self.state.agents[agent].eval_start = score
+        await self.training_loop()
+        if self.group_tasks:
+            await asyncio.gather(*self.group_tasks, return_exceptions=True)
+        if not self.state.stop_requested and self.cfg.environment.eval.episodes:
+            self.state.phase = "eval_end"
+            for agent, score in (await self.evaluate_all("end")).items():
+                self.state.agents[agent].eval_end = score
+        self.state.phase = "stopped" if self.state.stop_requested else "done"

@@ -1,0 +1,100 @@
+"""Run state the coordinator owns: per-agent versions, group accounting, metrics, episodes.
+
+The launch gate (DESIGN §4) lives here: agent X may take part in a new
+group only while ``kept + in_flight < (loaded_version + max_staleness + 1) *
+groups_per_batch`` (and below ``total_steps * groups_per_batch``). ``kept``
+counts groups the buffer accepted, so a group it drops (stale, filtered) is
+replaced; with ``max_staleness = 0`` no group for step k+1 starts before
+version k+1 is loaded on every engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.contracts.config import TandemConfig
+
+
+@dataclass
+class AgentState:
+    name: str
+    groups_per_batch: int
+    max_staleness: int
+    total_steps: int
+    loaded_version: int = 0
+    versions_loaded: list[int] = field(default_factory=list)
+    kept_groups: int = 0
+    dropped_groups: int = 0
+    in_flight_groups: int = 0
+    train_steps: list[dict[str, Any]] = field(default_factory=list)
+    group_rewards: list[tuple[float, float]] = field(default_factory=list)  # (time, mean reward)
+    eval_start: float | None = None
+    eval_end: float | None = None
+
+    def may_launch(self) -> bool:
+        budget = min((self.loaded_version + self.max_staleness + 1), self.total_steps) * self.groups_per_batch
+        return self.kept_groups + self.in_flight_groups < budget
+
+    @property
+    def finished(self) -> bool:
+        return self.loaded_version >= self.total_steps
+
+
+@dataclass
+class RunState:
+    cfg: TandemConfig
+    phase: str = "starting"  # starting | eval_start | training | eval_end | done | stopped
+    paused: bool = False
+    stop_requested: bool = False
+    started_at: float = field(default_factory=time.time)
+    agents: dict[str, AgentState] = field(default_factory=dict)
+    episodes_done: int = 0
+    episode_times: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
+    groups_launched: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: TandemConfig) -> RunState:
+        agents = {
+            name: AgentState(name, a.groups_per_batch, a.max_staleness, cfg.run.total_steps)
+            for name, a in cfg.agents.items()
+        }
+        return cls(cfg=cfg, agents=agents)
+
+    def episodes_per_s(self, window: float = 30.0) -> float:
+        now = time.time()
+        recent = [t for t in self.episode_times if now - t <= window]
+        if not recent:
+            return 0.0
+        span = max(min(window, now - self.started_at), 1e-6)
+        return len(recent) / span
+
+    def status(self) -> dict[str, Any]:
+        agents = {}
+        for name, a in self.agents.items():
+            last = a.train_steps[-1] if a.train_steps else {}
+            agents[name] = {
+                "step": len(a.train_steps),
+                "weight_version": a.loaded_version,
+                "versions_loaded": len(a.versions_loaded),
+                "mean_reward": last.get("reward_mean"),
+                "recent_group_reward": (sum(r for _, r in a.group_rewards[-16:]) / len(a.group_rewards[-16:])
+                                        if a.group_rewards else None),
+                "groups": {"kept": a.kept_groups, "dropped": a.dropped_groups,
+                           "in_flight": a.in_flight_groups},
+                "eval_start": a.eval_start,
+                "eval_end": a.eval_end,
+                "max_staleness": a.max_staleness,
+            }
+        return {
+            "run": self.cfg.run.name,
+            "phase": self.phase,
+            "paused": self.paused,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "episodes": self.episodes_done,
+            "episodes_per_s": round(self.episodes_per_s(), 3),
+            "total_steps": self.cfg.run.total_steps,
+            "agents": agents,
+        }

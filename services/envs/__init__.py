@@ -1,0 +1,1 @@
+"""Environments (task code): episodes between named roles, loaded by name or package.module:Class."""

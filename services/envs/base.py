@@ -1,0 +1,76 @@
+"""The environment interface (DESIGN §8), in the spirit of the Tinker cookbook's Env.
+
+An environment is one episode between named roles. The coordinator asks it
+whose turn it is, gives it the acting role's new observation (text the role
+sees since its last turn), passes that role's reply, and at the end reads the
+per-role rewards. ``make_group`` builds the G copies that share a GRPO
+baseline (same seed, so the same start). ``scripted_reply`` plays a role
+without a model (evaluation opponents, tests).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class EnvParamError(ValueError):
+    """Bad environment parameters; the message names the parameter."""
+
+
+@dataclass
+class StepResult:
+    done: bool
+    rewards: dict[str, float] = field(default_factory=dict)  # per role, final when done
+    turn_rewards: dict[str, float] = field(default_factory=dict)  # optional, per role this turn
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    roles: ClassVar[tuple[str, ...]]
+    description: ClassVar[str] = ""
+    scripted_players: ClassVar[tuple[str, ...]] = ("random",)
+
+    def __init__(self, params: dict[str, Any], seed: int) -> None:
+        self.params = self.check_params(params)
+        self.seed = seed
+        self.rng = random.Random(seed)
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """Validate parameters; raise EnvParamError naming the bad one."""
+        if params:
+            raise EnvParamError(f"{cls.__name__} takes no parameters, got {sorted(params)}")
+        return params
+
+    @abstractmethod
+    def current_role(self) -> str:
+        """The role that acts next."""
+
+    @abstractmethod
+    def observation(self, role: str) -> str:
+        """What ``role`` sees now, as the text of one user message."""
+
+    @abstractmethod
+    async def step(self, role: str, reply: str) -> StepResult:
+        """Apply ``role``'s reply. Unparseable replies get the env's stated penalty."""
+
+    @abstractmethod
+    def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
+        """A reply for ``role`` by the scripted ``player`` (one of scripted_players)."""
+
+    def summary(self) -> dict[str, Any]:
+        """A small JSON-able description of the episode's state/outcome."""
+        return {}
+
+    @classmethod
+    def make_group(cls, params: dict[str, Any], seed: int, size: int) -> list[Environment]:
+        """G copies that share a baseline: same seed, same start."""
+        return [cls(params, seed) for _ in range(size)]
+
+
+def score_for(rewards: dict[str, float], role: str) -> float:
+    """Map a final reward in [-1, 1] to an eval score in [0, 1] (win 1, draw 0.5, loss 0)."""
+    return (max(-1.0, min(1.0, rewards.get(role, 0.0))) + 1.0) / 2.0

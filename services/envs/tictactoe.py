@@ -1,0 +1,181 @@
+"""Tic-tac-toe between two roles, "X" and "O" (DESIGN §8: two trained players in a game).
+
+Rules
+-----
+The board has 9 cells numbered 1-9 row-major::
+
+    1 2 3
+    4 5 6
+    7 8 9
+
+X moves first, then the roles alternate. A role's observation is the board as
+9 characters (``x``, ``o`` or ``.`` for empty, row-major), a ``|`` and the
+role's own mark, e.g. ``"x...o....|x"`` (11 characters: short, because the
+demo model reads one byte per token).
+
+A reply must be a single digit 1-9 naming an empty cell, after stripping
+whitespace. Three marks in a row, column or diagonal win; a full board with no
+line is a draw.
+
+Rewards (final, per role)
+-------------------------
+* win +1, loss -1, draw 0 for both;
+* format penalty: a reply that is not a single digit 1-9, or names an occupied
+  cell, is illegal. The episode ends at once; the role that replied gets -1
+  and the other role 0 (it neither won nor lost).
+
+Parameters
+----------
+* ``opening_moves`` (int, 0-4, default 0): the episode starts with that many
+  random legal moves drawn from the seed, so groups with different seeds start
+  from different positions while the G copies of one group share theirs. At
+  most 4, so that no opening is already decided.
+
+Scripted players: ``random`` (a uniformly random legal move) and ``minimax``
+(perfect play; among equally good moves it picks with the caller's rng).
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from typing import Any, ClassVar
+
+from services.envs.base import Environment, EnvParamError, StepResult
+
+LINES: tuple[tuple[int, int, int], ...] = (
+    (0, 1, 2), (3, 4, 5), (6, 7, 8),
+    (0, 3, 6), (1, 4, 7), (2, 5, 8),
+    (0, 4, 8), (2, 4, 6),
+)
+MARKS: dict[str, str] = {"X": "x", "O": "o"}
+MAX_OPENING_MOVES = 4
+
+
+def winner_of(board: str) -> str | None:
+    """"X" or "O" if that role has three in a row on ``board`` (9 chars of x/o/.), else None."""
+    for a, b, c in LINES:
+        if board[a] != "." and board[a] == board[b] == board[c]:
+            return "X" if board[a] == "x" else "O"
+    return None
+
+
+def legal_cells(board: str) -> list[int]:
+    """Empty cells, 1-based."""
+    return [i + 1 for i, ch in enumerate(board) if ch == "."]
+
+
+def parse_move(reply: str) -> int | None:
+    """The cell (1-9) a reply names, or None if it is not a single digit 1-9."""
+    text = reply.strip()
+    if len(text) == 1 and text in "123456789":
+        return int(text)
+    return None
+
+
+@cache
+def minimax_value(board: str, to_move: str) -> int:
+    """Game value for X (+1 X wins, 0 draw, -1 O wins) with perfect play from ``board``."""
+    won = winner_of(board)
+    if won is not None:
+        return 1 if won == "X" else -1
+    if "." not in board:
+        return 0
+    mark = MARKS[to_move]
+    nxt = "O" if to_move == "X" else "X"
+    values = [minimax_value(board[:i] + mark + board[i + 1:], nxt) for i in range(9) if board[i] == "."]
+    return max(values) if to_move == "X" else min(values)
+
+
+def best_moves(board: str, to_move: str) -> list[int]:
+    """All cells (1-based) that keep the best game value for ``to_move``."""
+    mark = MARKS[to_move]
+    nxt = "O" if to_move == "X" else "X"
+    scored = [(minimax_value(board[:i] + mark + board[i + 1:], nxt), i + 1)
+              for i in range(9) if board[i] == "."]
+    sign = 1 if to_move == "X" else -1
+    best = max(sign * v for v, _ in scored)
+    return [cell for v, cell in scored if sign * v == best]
+
+
+class TicTacToe(Environment):
+    roles: ClassVar[tuple[str, ...]] = ("X", "O")
+    description: ClassVar[str] = ("Tic-tac-toe: reply with one digit 1-9 (empty cell, row-major). "
+                                  "Win +1, loss -1, draw 0; an illegal reply scores -1 and ends the game.")
+    scripted_players: ClassVar[tuple[str, ...]] = ("random", "minimax")
+
+    def __init__(self, params: dict[str, Any], seed: int) -> None:
+        super().__init__(params, seed)
+        self.board = "." * 9
+        self.moves: list[int] = []
+        self.to_move = "X"
+        self.done = False
+        self.winner: str | None = None
+        self.illegal = False
+        self.illegal_reply: str | None = None
+        self.opening_moves = int(self.params.get("opening_moves", 0))
+        for _ in range(self.opening_moves):
+            self._play(self.rng.choice(legal_cells(self.board)))
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(params) - {"opening_moves"})
+        if unknown:
+            raise EnvParamError(f"TicTacToe: unknown parameter(s) {unknown}; the only one is opening_moves")
+        if "opening_moves" in params:
+            n = params["opening_moves"]
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_OPENING_MOVES:
+                raise EnvParamError(f"TicTacToe: opening_moves must be an integer from 0 to "
+                                    f"{MAX_OPENING_MOVES}, got {n!r}")
+        return dict(params)
+
+    def _play(self, cell: int) -> None:
+        self.board = self.board[:cell - 1] + MARKS[self.to_move] + self.board[cell:]
+        self.moves.append(cell)
+        self.to_move = "O" if self.to_move == "X" else "X"
+
+    def current_role(self) -> str:
+        return self.to_move
+
+    def observation(self, role: str) -> str:
+        if role not in MARKS:
+            raise ValueError(f"unknown role {role!r}; roles are X and O")
+        return f"{self.board}|{MARKS[role]}"
+
+    async def step(self, role: str, reply: str) -> StepResult:
+        if self.done:
+            raise RuntimeError("the episode is over")
+        if role != self.to_move:
+            raise ValueError(f"it is {self.to_move}'s turn, not {role!r}'s")
+        other = "O" if role == "X" else "X"
+        cell = parse_move(reply)
+        if cell is None or self.board[cell - 1] != ".":
+            self.done = True
+            self.illegal = True
+            self.illegal_reply = reply[:32]
+            why = "unparseable" if cell is None else "occupied"
+            return StepResult(done=True, rewards={role: -1.0, other: 0.0},
+                              info={"illegal": why, "reply": reply[:32]})
+        self._play(cell)
+        won = winner_of(self.board)
+        if won is not None:
+            self.done = True
+            self.winner = won
+            return StepResult(done=True, rewards={role: 1.0, other: -1.0}, info={"winner": won})
+        if "." not in self.board:
+            self.done = True
+            self.winner = "draw"
+            return StepResult(done=True, rewards={role: 0.0, other: 0.0}, info={"winner": "draw"})
+        return StepResult(done=False)
+
+    def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
+        if player == "random":
+            return str(rng.choice(legal_cells(self.board)))
+        if player == "minimax":
+            return str(rng.choice(best_moves(self.board, role)))
+        raise ValueError(f"unknown scripted player {player!r}; choose from {self.scripted_players}")
+
+    def summary(self) -> dict[str, Any]:
+        return {"board": self.board, "winner": self.winner, "illegal": self.illegal,
+                "moves": list(self.moves), "opening_moves": self.opening_moves,
+                "illegal_reply": self.illegal_reply}

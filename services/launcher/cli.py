@@ -1,0 +1,48 @@
+"""``tandem`` command line: ``up``, ``validate``, ``init-demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.contracts.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem", description="Co-train LLM agents over Redis Streams.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="start Redis and every service locally and run the experiment")
+    p_up.add_argument("config")
+    p_up.add_argument("--resume", action="store_true", help="keep the run's Redis data and checkpoints")
+    p_val = sub.add_parser("validate", help="check a config and exit")
+    p_val.add_argument("config")
+    p_demo = sub.add_parser("init-demo", help="create and warm-start the demo model (skipped if present)")
+    p_demo.add_argument("out_dir", nargs="?", default="models/demo-ttt")
+    p_demo.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.command == "init-demo":
+        from pathlib import Path
+
+        from services.demo.warmstart import warmstart
+
+        if (Path(args.out_dir) / "model.safetensors").exists() and not args.force:
+            print(f"demo model already at {args.out_dir}")
+            return
+        warmstart(args.out_dir)
+        return
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.command == "validate":
+        print(f"{args.config}: ok ({len(cfg.agents)} agents, environment {cfg.environment.name})")
+        return
+    from services.launcher.up import up
+
+    raise SystemExit(up(cfg, args.config, fresh=not args.resume))
+
+
+if __name__ == "__main__":
+    main()

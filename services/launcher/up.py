@@ -1,0 +1,163 @@
+"""``tandem up CONFIG``: embedded Redis and every service as child processes.
+
+Order: Redis (embedded unless the config names one) → per agent the engines,
+the real SGLang router in front of them, rollout, buffer, trainer → the
+coordinator. It shows progress from the coordinator's ``/v1/status``, and
+stops everything on Ctrl-C, when the run ends, or when any child dies (the
+dead child is named and the exit code is non-zero).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from services.common.embedded_redis import EmbeddedRedis, free_port
+from services.contracts.config import TandemConfig
+from services.launcher.processes import ProcessGroup, child_env, python_module
+from services.rollout.router import router_command
+
+
+def status_table(status: dict | None) -> Table:
+    table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
+                        f"{status.get('phase') if status else 'starting'}")
+    for col in ("agent", "step", "weight version", "mean reward", "eval start", "eval end", "episodes/s"):
+        table.add_column(col)
+    if status:
+        for name, a in status["agents"].items():
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            table.add_row(name, f"{a['step']}/{status['total_steps']}", str(a["weight_version"]),
+                          fmt(a["recent_group_reward"]), fmt(a["eval_start"]), fmt(a["eval_end"]),
+                          f"{status['episodes_per_s']:.2f}")
+    return table
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title=f"Tandem run {summary['run']} — {summary['phase']} in {summary['wall_s']}s")
+    cols = ("weight_versions", "steps", "reward_first_quarter", "reward_last_quarter", "eval_start", "eval_end")
+    table.add_column("agent")
+    for c in cols:
+        table.add_column(c)
+    for name, a in summary["agents"].items():
+        table.add_row(name, *("-" if a[c] is None else (f"{a[c]:.3f}" if isinstance(a[c], float) else str(a[c]))
+                              for c in cols))
+    return table
+
+
+def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
+    """Start every service; return the control API URL."""
+    for agent, acfg in cfg.agents.items():
+        if acfg.engine != "embedded":
+            raise RuntimeError(f"agents.{agent}.engine: the local launcher runs embedded engines; "
+                               "use docker compose or Kubernetes for sglang")
+        urls = []
+        for i in range(acfg.num_engines):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            child = group.start(f"engine.{agent}{i}", python_module(
+                "services.engine", "--model-path", acfg.model_path, "--port", str(port),
+                "--engine-id", f"{agent}-{i}"))
+            group.wait_http(f"{url}/health", child)
+            urls.append(url)
+        rport = free_port()
+        router = group.start(f"router.{agent}", router_command(rport, urls))
+        router_url = f"http://127.0.0.1:{rport}"
+        group.wait_http(f"{router_url}/health", router)
+        base = ["--config", config_path, "--agent", agent]
+        group.start(f"rollout.{agent}", python_module("services.rollout", *base, "--router", router_url))
+        group.start(f"buffer.{agent}", python_module("services.buffer", *base))
+        group.start(f"trainer.{agent}", python_module("services.trainer", *base))
+    coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
+                                                     "--port", str(api_port)))
+    api = f"http://{cfg.api.host}:{api_port}"
+    group.wait_http(f"{api}/health", coord, timeout=180)
+    return api
+
+
+def up(cfg: TandemConfig, config_path: str, fresh: bool = True, console: Console | None = None) -> int:
+    console = console or Console()
+    run_dir = cfg.run_dir()
+    ckpt = Path(cfg.run.checkpoint_root) / cfg.run.name
+    if fresh:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+
+    def echo(name: str, line: str) -> None:
+        if " INFO " in line and "uvicorn" in line:
+            return
+        with lock:
+            console.print(f"[dim]{name:>13}[/dim] │ {line}", markup=True, highlight=False, soft_wrap=True)
+
+    redis = None
+    env: dict[str, str] = {}
+    if not cfg.redis_url:
+        redis = EmbeddedRedis(data_dir=run_dir / "redis").start()
+        env["TANDEM_REDIS_URL"] = redis.url
+        console.print(f"embedded Redis at {redis.url} (data in {run_dir / 'redis'})")
+    api_port = cfg.api.port or free_port()
+    group = ProcessGroup(run_dir / "logs", child_env(env), echo)
+    code = 0
+    started = time.time()
+    try:
+        api = start_services(cfg, config_path, group, api_port)
+        console.print(f"control API at {api} (docs at {api}/docs) — all services up in {time.time() - started:.0f}s")
+        code = watch(group, api, console)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping every service")
+        code = 130
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/red]")
+        code = 1
+    finally:
+        group.stop_all()
+        if redis is not None:
+            redis.stop()
+    summary_path = run_dir / "summary.json"
+    if code == 0 and summary_path.exists():
+        console.print(summary_table(json.loads(summary_path.read_text())))
+        console.print(f"summary: {summary_path}   plot: {run_dir / 'rewards.png'}")
+    return code
+
+
+def watch(group: ProcessGroup, api: str, console: Console) -> int:
+    """Refresh progress until the coordinator exits; fail if any other child dies first."""
+    waiter = threading.Event()
+    status = None
+    last_print = 0.0
+    with Live(status_table(None), console=console, auto_refresh=False,
+              transient=False) if console.is_terminal else _NoLive() as live:
+        while True:
+            dead = group.dead()
+            if dead is not None:
+                if dead.name == "coordinator" and dead.proc.returncode == 0:
+                    return 0
+                console.print(f"[red]{dead.name} died (exit code {dead.proc.returncode}); stopping the run[/red]")
+                return 1
+            try:
+                status = httpx.get(f"{api}/v1/status", timeout=2.0).json()
+            except (httpx.HTTPError, ValueError):
+                pass
+            if console.is_terminal:
+                live.update(status_table(status), refresh=True)
+            elif status and time.time() - last_print > 15:
+                console.print(status_table(status))
+                last_print = time.time()
+            waiter.wait(1.0)
+
+
+class _NoLive:
+    def __enter__(self) -> _NoLive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,1 @@
+"""Trainer service: trains one agent's policy on batches and publishes new weights."""
