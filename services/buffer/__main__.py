@@ -15,7 +15,8 @@ async def main_async(config: str, agent: str) -> int:
     cfg = load_or_exit(config, agent)
     acfg = cfg.agents[agent]
     bus = Bus(cfg.redis_url, cfg.run.name, f"buffer-{agent}")
-    store = SampleStore(bus, agent, acfg.groups_per_batch, acfg.max_staleness, acfg.filter_zero_variance)
+    store = SampleStore(bus, agent, acfg.groups_per_batch, acfg.max_staleness, acfg.filter_zero_variance,
+                        max_batches=cfg.run.total_steps)
     stop = asyncio.Event()
 
     async def report(v: GroupVerdict) -> None:

@@ -27,8 +27,8 @@ class GroupVerdict:
 
 class SampleStore:
     def __init__(self, bus: Bus, agent: str, groups_per_batch: int, max_staleness: int,
-                 filter_zero_variance: bool = False) -> None:
-        self.bus, self.agent = bus, agent
+                 filter_zero_variance: bool = False, max_batches: int | None = None) -> None:
+        self.bus, self.agent, self.max_batches = bus, agent, max_batches
         self.gpb, self.max_staleness, self.filter_zero_variance = groups_per_batch, max_staleness, filter_zero_variance
         s = bus.streams
         self.k_samples = s.buffer_samples(agent)
@@ -79,6 +79,8 @@ class SampleStore:
         dropped: list[GroupVerdict] = []
         while await r.llen(self.k_ready) >= self.gpb:
             released = int(await r.get(self.k_released) or 0)
+            if self.max_batches is not None and released >= self.max_batches:
+                break  # the run's last step is trained; later samples stay stored, unused
             step = released + 1
             group_ids = [g.decode() for g in await r.lrange(self.k_ready, 0, self.gpb - 1)]
             groups = {g: await self.group_samples(g) for g in group_ids}

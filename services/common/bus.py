@@ -190,4 +190,4 @@ class Bus:
             key = tuple(int(x) for x in cut_s.split("-"))
             floor = key if floor is None or key < floor else floor
         assert floor is not None
-        return int(await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}"))
+        return int(await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))

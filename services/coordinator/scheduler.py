@@ -127,7 +127,8 @@ class Coordinator:
         return dict(zip(roles, agents, strict=True))
 
     def may_launch(self, roles: dict[str, str]) -> bool:
-        return all(self.state.agents[a].may_launch() for a in set(roles.values()))
+        wanting = [self.state.agents[a] for a in set(roles.values()) if self.state.agents[a].wants_groups()]
+        return bool(wanting) and not any(a.blocked_by_staleness() for a in wanting)
 
     async def run_group(self, index: int, roles: dict[str, str]) -> None:
         env_cfg = self.cfg.environment

@@ -1,11 +1,12 @@
 """Run state the coordinator owns: per-agent versions, group accounting, metrics, episodes.
 
-The launch gate (DESIGN §4) lives here: agent X may take part in a new
-group only while ``kept + in_flight < (loaded_version + max_staleness + 1) *
-groups_per_batch`` (and below ``total_steps * groups_per_batch``). ``kept``
-counts groups the buffer accepted, so a group it drops (stale, filtered) is
-replaced; with ``max_staleness = 0`` no group for step k+1 starts before
-version k+1 is loaded on every engine.
+The launch gate (DESIGN §4) lives here: agent X blocks a new group while
+``kept + in_flight >= (loaded_version + max_staleness + 1) * groups_per_batch``.
+``kept`` counts groups the buffer accepted, so a group it drops (stale,
+filtered, or one the agent had no turn in) is replaced; with
+``max_staleness = 0`` no group for step k+1 starts before version k+1 is
+loaded on every engine. A group starts when some agent in it still wants
+groups and no agent that still wants groups is blocked.
 """
 
 from __future__ import annotations
@@ -34,9 +35,17 @@ class AgentState:
     eval_start: float | None = None
     eval_end: float | None = None
 
-    def may_launch(self) -> bool:
-        budget = min((self.loaded_version + self.max_staleness + 1), self.total_steps) * self.groups_per_batch
-        return self.kept_groups + self.in_flight_groups < budget
+    @property
+    def claimed(self) -> int:
+        return self.kept_groups + self.in_flight_groups
+
+    def wants_groups(self) -> bool:
+        """More groups are needed to reach ``total_steps`` batches."""
+        return self.claimed < self.total_steps * self.groups_per_batch
+
+    def blocked_by_staleness(self) -> bool:
+        """A new group would be generated more than ``max_staleness`` versions behind."""
+        return self.claimed >= (self.loaded_version + self.max_staleness + 1) * self.groups_per_batch
 
     @property
     def finished(self) -> bool:

@@ -1,20 +1,12 @@
 """The embedded engine's core: one model, one worker thread, batched decoding.
 
-A single background thread owns the model. Requests are queued; each round
-the worker first runs any pending control operations (weight loads), then
-takes every queued request (up to ``max_batch``) and decodes them as ONE
-batch: left-padded prompts with an attention mask and explicit position ids,
-a KV cache, one token per step. Every row has its own temperature, top-p,
-top-k, max_new_tokens, stop tokens (the tokenizer's EOS always stops) and
-seed. A request therefore runs wholly on one weight version, and a weight
-load never overlaps a forward pass.
-
-The logprob reported for a sampled token is ``log_softmax(logits / T)[tok]``
-in float32 (plain ``log_softmax(logits)`` for greedy, T = 0), i.e. what a
-trainer's full-sequence forward pass computes for the same tokens.
-
-Async callers ``await`` an asyncio future that the worker resolves through
-``loop.call_soon_threadsafe``, so HTTP handlers never block.
+The worker thread owns the model. Each round it runs pending control operations (weight loads),
+then takes the queued requests (up to ``max_batch``) and decodes them as ONE batch: left-padded
+prompts, attention mask, explicit position ids, KV cache, per-row temperature / top-p / top-k /
+max_new_tokens / stop tokens (EOS always stops) / seed. A request thus runs wholly on one weight
+version. A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain
+``log_softmax``), as a trainer's full-sequence forward computes it. Async callers await an
+asyncio future that the worker resolves through ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -48,12 +40,8 @@ class _Completion:
         self.future: asyncio.Future[Any] = self.loop.create_future()
 
     def _set(self, value: Any, exc: BaseException | None) -> None:
-        if self.future.done():  # the caller went away (cancelled)
-            return
-        if exc is not None:
-            self.future.set_exception(exc)
-        else:
-            self.future.set_result(value)
+        if not self.future.done():  # done: the caller went away (cancelled)
+            self.future.set_exception(exc) if exc is not None else self.future.set_result(value)
 
     def resolve(self, value: Any = None, exc: BaseException | None = None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
@@ -81,6 +69,10 @@ class GenRequest:
     done: _Completion | None = field(default=None, repr=False)
 
 
+def _finish_abort(r: GenRequest) -> None:
+    r.finish = r.finish or {"type": "abort", "message": f"request {r.rid} aborted"}
+
+
 class Engine:
     """The model plus its worker thread. Thread-safe; async entry points."""
 
@@ -92,37 +84,28 @@ class Engine:
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
-        eos: set[int] = set()
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        for cand in (self.tokenizer.eos_token_id, gen_eos):
-            if cand is not None:
-                eos.update([cand] if isinstance(cand, int) else list(cand))
-        self.eos_ids = frozenset(eos)
+        eos = [self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)]
+        self.eos_ids = frozenset(t for c in eos if c is not None for t in ([c] if isinstance(c, int) else c))
         pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else (min(eos) if eos else 0))
+        self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
         self.weight_version = int(weight_version)
         self.max_batch = max(1, int(max_batch))
         self._cv = threading.Condition()
         self._queue: list[GenRequest] = []
         self._running: list[GenRequest] = []
         self._ops: list[tuple[Callable[[], Any], _Completion]] = []
-        self._paused = False
+        self.paused = False
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
-    # ---- public, called from the event loop ---------------------------------------------------
     def check(self, req: GenRequest) -> None:
         """Raise EngineError when the request cannot be served."""
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in [*req.input_ids, *req.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineError(f"token id {bad[0]} out of vocabulary (size {self.vocab_size})")
         if len(req.input_ids) >= self.context_len:
-            raise EngineError(f"prompt of {len(req.input_ids)} tokens does not fit the context "
-                              f"length {self.context_len}")
-        bad_stop = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise EngineError(f"stop token id {bad_stop[0]} out of vocabulary")
+            raise EngineError(f"prompt of {len(req.input_ids)} tokens exceeds the context length")
         req.max_new_tokens = min(req.max_new_tokens, self.context_len - len(req.input_ids))
 
     async def generate(self, req: GenRequest) -> GenRequest:
@@ -135,9 +118,8 @@ class Engine:
             return await req.done.future
         except asyncio.CancelledError:
             req.aborted = True  # the client went away: free its batch row
-            with self._cv:
-                if req in self._queue:
-                    self._queue.remove(req)
+            with self._cv, contextlib.suppress(ValueError):
+                self._queue.remove(req)
             raise
 
     async def run_op(self, fn: Callable[[], Any]) -> Any:
@@ -161,23 +143,16 @@ class Engine:
                 r.aborted = True
                 if r in self._queue:
                     self._queue.remove(r)
-                    self._finish_abort(r)
+                    _finish_abort(r)
                     if r.done is not None:
                         r.done.resolve(r)
         return len(hit)
 
-    def pause(self) -> None:
+    def set_paused(self, paused: bool) -> None:
+        """Paused: queued and new requests wait; a running batch finishes; weight loads still run."""
         with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
+            self.paused = paused
             self._cv.notify_all()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     def load(self) -> dict[str, int]:
         with self._cv:
@@ -191,16 +166,10 @@ class Engine:
             self._cv.notify_all()
         self._thread.join(timeout=10)
 
-    # ---- worker thread --------------------------------------------------------------------------
-    @staticmethod
-    def _finish_abort(r: GenRequest) -> None:
-        if r.finish is None:
-            r.finish = {"type": "abort", "message": f"request {r.rid} aborted"}
-
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self._ops and (self._paused or not self._queue):
+                while not self._stopped and not self._ops and (self.paused or not self._queue):
                     self._cv.wait()
                 if self._stopped:
                     return
@@ -246,8 +215,7 @@ class Engine:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
         if missing or unexpected:
-            raise EngineError(f"weights do not match the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+            raise EngineError(f"weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
         shapes = [k for k, v in expected.items() if tuple(v.shape) != tuple(state[k].shape)]
         if shapes:
             raise EngineError(f"shape mismatch for {shapes[:5]}")
@@ -280,11 +248,10 @@ class Engine:
 
     @torch.inference_mode()
     def _generate(self, batch: list[GenRequest]) -> None:
-        version = self.weight_version
         for r in batch:
-            r.weight_version = version
+            r.weight_version = self.weight_version
             if r.aborted:
-                self._finish_abort(r)
+                _finish_abort(r)
             elif r.max_new_tokens <= 0:
                 r.finish = {"type": "length", "length": 0}
         rows = [r for r in batch if r.finish is None]
@@ -301,9 +268,8 @@ class Engine:
                 for r in rows]
         stops = [r.stop_token_ids | self.eos_ids for r in rows]
         active = [True] * n
-        cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
+                         past_key_values=DynamicCache(), use_cache=True)
         next_pos = pos[:, -1:] + 1
         while True:
             toks, lps = self._sample(out.logits[:, -1, :].float(), rows, gens)
@@ -311,7 +277,7 @@ class Engine:
                 if not active[i]:
                     continue
                 if r.aborted:
-                    self._finish_abort(r)
+                    _finish_abort(r)
                 else:
                     r.output_ids.append(toks[i])
                     r.logprobs.append(lps[i])
@@ -331,5 +297,4 @@ class Engine:
             next_pos = next_pos + 1
 
     def _stop_string(self, r: GenRequest) -> str | None:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=False)
-        return next((s for s in r.stop_strings if s and s in text), None)
+        return next((s for s in r.stop_strings if s and s in self.tokenizer.decode(r.output_ids)), None)

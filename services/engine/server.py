@@ -181,7 +181,9 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
         text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         out = GenerateReqOutput.model_validate(
             {"text": text, "output_ids": req.output_ids, "meta_info": meta})
-        return JSONResponse(out.model_dump(mode="json"))
+        reply = out.model_dump(mode="json")
+        reply["meta_info"]["finish_reason"] = out.meta_info.finish_reason.model_dump(exclude_none=True)
+        return JSONResponse(reply)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -207,12 +209,12 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
 
     @app.post("/pause_generation")
     async def pause_generation() -> dict[str, Any]:
-        engine.pause()
+        engine.set_paused(True)
         return {"success": True, "message": "generation paused"}
 
     @app.post("/continue_generation")
     async def continue_generation() -> dict[str, Any]:
-        engine.resume()
+        engine.set_paused(False)
         return {"success": True, "message": "generation continued"}
 
     @app.post("/abort_request")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from services.contracts.config import ConfigError, load_config
+from services.launcher.preflight import preflight
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         cfg = load_config(args.config)
+        preflight(cfg, args.config)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None

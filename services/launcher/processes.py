@@ -67,10 +67,19 @@ class ProcessGroup:
                     self.echo(name, text)
 
     def dead(self) -> Child | None:
-        """The first critical child that has exited, if any."""
+        """The first critical child that failed (non-zero exit), if any.
+
+        Services exit 0 only when told to stop (the run's end), so a zero exit
+        is not a death."""
         for c in self.children:
-            if c.critical and c.proc.poll() is not None:
+            if c.critical and c.proc.poll() not in (None, 0):
                 return c
+        return None
+
+    def exited(self, name: str) -> int | None:
+        for c in self.children:
+            if c.name == name:
+                return c.proc.poll()
         return None
 
     def wait_http(self, url: str, child: Child, timeout: float = 120.0) -> None:

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.config import TandemConfig
-from services.launcher.processes import ProcessGroup, child_env, python_module
+from services.launcher.processes import Child, ProcessGroup, child_env, python_module
 from services.rollout.router import router_command
 
 
@@ -53,30 +53,33 @@ def summary_table(summary: dict) -> Table:
 
 
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
-    """Start every service; return the control API URL."""
+    """Start every service, the slow starters in parallel; return the control API URL."""
+    engines: dict[str, list[tuple[str, Child]]] = {}
     for agent, acfg in cfg.agents.items():
         if acfg.engine != "embedded":
             raise RuntimeError(f"agents.{agent}.engine: the local launcher runs embedded engines; "
                                "use docker compose or Kubernetes for sglang")
-        urls = []
         for i in range(acfg.num_engines):
             port = free_port()
-            url = f"http://127.0.0.1:{port}"
             child = group.start(f"engine.{agent}{i}", python_module(
                 "services.engine", "--model-path", acfg.model_path, "--port", str(port),
                 "--engine-id", f"{agent}-{i}"))
-            group.wait_http(f"{url}/health", child)
-            urls.append(url)
-        rport = free_port()
-        router = group.start(f"router.{agent}", router_command(rport, urls))
-        router_url = f"http://127.0.0.1:{rport}"
-        group.wait_http(f"{router_url}/health", router)
+            engines.setdefault(agent, []).append((f"http://127.0.0.1:{port}", child))
+    for agent in cfg.agents:
         base = ["--config", config_path, "--agent", agent]
-        group.start(f"rollout.{agent}", python_module("services.rollout", *base, "--router", router_url))
         group.start(f"buffer.{agent}", python_module("services.buffer", *base))
         group.start(f"trainer.{agent}", python_module("services.trainer", *base))
     coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
                                                      "--port", str(api_port)))
+    for agent, started in engines.items():
+        for url, child in started:
+            group.wait_http(f"{url}/health", child)
+        rport = free_port()
+        router = group.start(f"router.{agent}", router_command(rport, [u for u, _ in started]))
+        router_url = f"http://127.0.0.1:{rport}"
+        group.wait_http(f"{router_url}/health", router)
+        group.start(f"rollout.{agent}", python_module("services.rollout", "--config", config_path,
+                                                      "--agent", agent, "--router", router_url))
     api = f"http://{cfg.api.host}:{api_port}"
     group.wait_http(f"{api}/health", coord, timeout=180)
     return api
@@ -139,10 +142,10 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
         while True:
             dead = group.dead()
             if dead is not None:
-                if dead.name == "coordinator" and dead.proc.returncode == 0:
-                    return 0
                 console.print(f"[red]{dead.name} died (exit code {dead.proc.returncode}); stopping the run[/red]")
                 return 1
+            if group.exited("coordinator") == 0:
+                return 0
             try:
                 status = httpx.get(f"{api}/v1/status", timeout=2.0).json()
             except (httpx.HTTPError, ValueError):

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-
 from services.common.bus import Bus, RetryLater
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
 from services.contracts.messages import Event, GenerateReply, GenerateRequest, WeightsUpdate
-from services.rollout.engine_client import EngineClient
+from services.rollout.engine_client import EngineClient, EngineClientError
 from services.rollout.router import list_workers
 
 RETRIES = 5
@@ -40,9 +38,13 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
             try:
                 res = await client.generate(req.input_ids, sampling, rid=req.id)
                 break
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
-                    raise ValueError(f"engine rejected the request: {exc.response.text}") from exc
+            except EngineClientError as exc:
+                if " HTTP 4" in str(exc):  # the request itself is bad: answer, then dead-letter it
+                    await bus.publish(req.reply_stream, GenerateReply(
+                        request_id=req.id, agent=agent, episode_id=req.episode_id, turn=req.turn, output_ids=[],
+                        output_logprobs=[], finish_reason="abort", weight_version=-1, engine=router_url,
+                        error=str(exc)))
+                    raise ValueError(str(exc)) from exc
                 log.warning("generate failed (attempt %d): %s", attempt + 1, exc)
                 await asyncio.sleep(0.2 * 2 ** attempt)
         else:
@@ -68,7 +70,7 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
                                   concurrency=inflight, count=64),
                       bus.consume(s.weights(agent), "rollout", bus.service, WeightsUpdate, on_weights, stop),
                       watch_control(bus, f"control-rollout-{agent}", stop))
-    await client.close()
+    await client.aclose()
     return 0
 
 

@@ -1,0 +1,125 @@
+"""Async client the rollout service uses to talk to an agent's inference engines.
+
+Generation goes through the agent's SGLang router (``POST {router}/generate``);
+weight updates go to each engine directly (``/update_weights_from_disk``), since
+the router does not fan them out. The same client drives SGLang on GPU and
+the embedded engine on CPU: replies are parsed with the SGLang contract models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+from pydantic import ValidationError
+
+from services.contracts.sglang_api import (
+    GenerateReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+)
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+class EngineClientError(RuntimeError):
+    """The router or an engine refused a request or answered something unparseable."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishType
+    weight_version: int
+    prompt_tokens: int
+    engine: str | None = None  # meta_info.engine when the engine reports it (ours does, SGLang does not)
+    rid: str | None = None
+    finish_message: str | None = None
+
+
+def _version(raw: str) -> int:
+    """SGLang reports weight_version as a string; its initial value "default" counts as 0."""
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body.get("detail") or body)
+    return str(body)[:500]
+
+
+class EngineClient:
+    """One ``httpx.AsyncClient`` reused for every call; close with ``aclose()`` or ``async with``."""
+
+    def __init__(self, router_url: str, timeout: float = 300.0) -> None:
+        self.router_url = router_url.rstrip("/")
+        self._http = httpx.AsyncClient(timeout=timeout)
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return await self._http.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineClientError(f"POST {url} failed: {exc!r}") from exc
+
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str) -> GenerateResult:
+        """Generate through the router; the logprobs are those of the sampled tokens."""
+        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling), "return_logprob": True,
+                "rid": rid}
+        resp = await self._post(f"{self.router_url}/generate", body)
+        if resp.status_code != 200:
+            raise EngineClientError(f"generate {rid}: HTTP {resp.status_code}: {_error_message(resp)}")
+        try:
+            out = GenerateReqOutput.model_validate(resp.json())
+        except (ValueError, ValidationError) as exc:
+            raise EngineClientError(f"generate {rid}: unparseable reply: {exc}") from exc
+        meta = out.meta_info
+        logprobs = [float(lp) for lp, _, _ in (meta.output_token_logprobs or [])]
+        if len(logprobs) != len(out.output_ids):
+            raise EngineClientError(f"generate {rid}: {len(logprobs)} logprobs, {len(out.output_ids)} tokens")
+        engine = (meta.model_extra or {}).get("engine")
+        return GenerateResult(
+            output_ids=list(out.output_ids), output_logprobs=logprobs, finish_reason=meta.finish_reason.type,
+            weight_version=_version(meta.weight_version), prompt_tokens=meta.prompt_tokens,
+            engine=str(engine) if engine is not None else None, rid=meta.id,
+            finish_message=meta.finish_reason.message)
+
+    async def update_weights(self, engine_url: str, model_path: str, version: int) -> None:
+        """Load ``model_path`` into one engine as ``version``; raise unless it reports success."""
+        url = f"{engine_url.rstrip('/')}/update_weights_from_disk"
+        body = UpdateWeightFromDiskReqInput(model_path=str(model_path), weight_version=str(version))
+        resp = await self._post(url, body.model_dump(exclude_none=True))
+        try:
+            out = UpdateWeightFromDiskReqOutput.model_validate(resp.json())
+        except (ValueError, ValidationError):
+            raise EngineClientError(f"{url}: HTTP {resp.status_code}: {_error_message(resp)}") from None
+        if not out.success:
+            raise EngineClientError(f"{url}: weights {model_path} v{version} not loaded: {out.message}")
+
+    async def get_weight_version(self, engine_url: str) -> int:
+        url = f"{engine_url.rstrip('/')}/get_weight_version"
+        try:
+            resp = await self._http.get(url)
+            resp.raise_for_status()
+            return _version(str(resp.json()["weight_version"]))
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            raise EngineClientError(f"GET {url} failed: {exc!r}") from exc

@@ -1,0 +1,104 @@
+"""Message round-trips, rejection of malformed payloads, config validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+from pydantic import ValidationError
+
+from services.contracts.codec import decode, encode
+from services.contracts.config import ConfigError, load_config, parse_config
+from services.contracts.messages import (
+    Batch,
+    Control,
+    DeadLetter,
+    Event,
+    GenerateReply,
+    GenerateRequest,
+    Sample,
+    SamplingParams,
+    WeightsUpdate,
+)
+
+SAMPLE = Sample(agent="A", role="X", episode_id="e1", group_id="g1", group_size=2, tokens=[1, 2, 3, 4],
+                loss_mask=[0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, -0.1], reward=1.0,
+                turn_weight_versions=[3], engines=["A-0"], reply_ids=["r1"])
+
+MESSAGES = [
+    GenerateRequest(agent="A", episode_id="e", group_id="g", turn=0, role="X", input_ids=[1, 2],
+                    sampling=SamplingParams(temperature=0.7, max_new_tokens=4), reply_stream="s"),
+    GenerateReply(request_id="r", agent="A", episode_id="e", turn=0, output_ids=[5, 6],
+                  output_logprobs=[-0.1, -0.2], finish_reason="stop", weight_version=2, engine="A-0"),
+    SAMPLE,
+    Batch(agent="A", step=1, samples=[SAMPLE]),
+    WeightsUpdate(agent="A", version=1, path="/tmp/x", checksum="ab"),
+    Event(source="t", kind="train_step", agent="A", data={"loss": 0.5}),
+    Control(command="pause"),
+    DeadLetter(source_stream="s", entry_id="1-0", service="t", reason="bad", payload=b"\x00\x01"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip_is_exact(msg):
+    again = decode(encode(msg), type(msg))
+    assert again == msg
+    assert again.schema_version == 1 and again.id == msg.id and again.created_at == msg.created_at
+
+
+def test_ids_are_unique():
+    assert len({Control(command="stop").id for _ in range(100)}) == 100
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b"\xc1garbage", "not valid msgpack"),
+    (msgpack.packb([1, 2, 3]), "must be a map"),
+    (msgpack.packb({"command": "explode"}), "command"),
+    (msgpack.packb({"command": "stop", "surprise": 1}), "surprise"),
+    (msgpack.packb({"command": "stop", "schema_version": 99}), "schema_version"),
+])
+def test_malformed_payloads_are_rejected_with_reason(raw, fragment):
+    with pytest.raises((ValueError, ValidationError)) as err:
+        decode(raw, Control)
+    assert fragment in str(err.value)
+
+
+def test_sample_alignment_is_enforced():
+    with pytest.raises(ValidationError, match="one length"):
+        Sample(**{**SAMPLE.model_dump(), "loss_mask": [0, 1]})
+    with pytest.raises(ValidationError, match="covers no token"):
+        Sample(**{**SAMPLE.model_dump(), "loss_mask": [0, 0, 0, 0]})
+
+
+def _demo() -> dict:
+    import yaml
+
+    return yaml.safe_load(Path("configs/demo.yaml").read_text())
+
+
+def test_demo_config_is_valid():
+    cfg = load_config("configs/demo.yaml")
+    assert set(cfg.agents) == {"A", "B"}
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["agents"]["A"].update(max_staleness=-1), "agents.A.max_staleness"),
+    (lambda d: d["agents"]["B"].update(lr=0.1), "agents.B.lr"),
+    (lambda d: d["agents"]["A"]["algorithm"].update(name="ppo-magic"), "agents.A.algorithm.name"),
+    (lambda d: d["environment"]["roles"].update(X="C"), "environment.roles.X"),
+    (lambda d: d["run"].update(name="bad name!"), "run.name"),
+    (lambda d: d["agents"]["A"].update(engine="vllm"), "agents.A.engine"),
+])
+def test_bad_config_names_the_field(mutate, field):
+    data = _demo()
+    mutate(data)
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, "demo")
+    assert field in str(err.value)
+
+
+def test_env_overrides_single_fields():
+    cfg = load_config("configs/demo.yaml", environ={"TANDEM_REDIS_URL": "redis://x:1/0",
+                                                   "TANDEM__agents__B__max_staleness": "3"})
+    assert cfg.redis_url == "redis://x:1/0" and cfg.agents["B"].max_staleness == 3
