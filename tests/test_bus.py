@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -77,7 +76,7 @@ async def test_killed_consumer_entry_is_reclaimed_and_effect_happens_once(redis_
     msgs = [Control(command="checkpoint", args={"n": i}) for i in range(3)]
     for m in msgs:
         await bus.publish(stream, m)
-    doomed = subprocess.Popen([sys.executable, "-c", CRASHING_CONSUMER, redis_url])
+    doomed = await asyncio.create_subprocess_exec(sys.executable, "-c", CRASHING_CONSUMER, redis_url)
     try:
         for _ in range(200):
             if await bus.redis.llen("got") >= 1:
@@ -86,7 +85,7 @@ async def test_killed_consumer_entry_is_reclaimed_and_effect_happens_once(redis_
         assert await bus.redis.llen("got") >= 1, "the doomed consumer never read"
     finally:
         doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+        await doomed.wait()
     pending = await bus.redis.xpending(stream, "g")
     assert pending["pending"] >= 1  # read but never acknowledged
 

@@ -60,7 +60,8 @@ async def _wait_queued(client: httpx.AsyncClient, n: int) -> None:
     raise AssertionError(f"{n} requests never queued")
 
 
-def _full_forward_logprobs(engine: Engine, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+def _full_forward_logprobs(engine: Engine, prompt: list[int], output: list[int],
+                           temperature: float) -> list[float]:
     """What the trainer computes: logits[:, :-1] of prompt+output, log_softmax(logits / T), gather."""
     seq = torch.tensor([prompt + output])
     with torch.no_grad():
@@ -70,11 +71,16 @@ def _full_forward_logprobs(engine: Engine, prompt: list[int], output: list[int],
     return lp[len(prompt) - 1 :].tolist()
 
 
-async def test_info_endpoints(client: httpx.AsyncClient, tiny_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def resolved_model_dir(tiny_model_dir: Path) -> str:
+    return str(tiny_model_dir.resolve())
+
+
+async def test_info_endpoints(client: httpx.AsyncClient, resolved_model_dir: str) -> None:
     assert (await client.get("/health")).status_code == 200
     assert (await client.get("/health_generate")).status_code == 200
     info = (await client.get("/get_model_info")).json()
-    assert info["is_generation"] is True and Path(info["model_path"]) == tiny_model_dir.resolve()
+    assert info["is_generation"] is True and info["model_path"] == resolved_model_dir
     assert info["tokenizer_path"] == info["model_path"] and info["weight_version"] == "0"
     server = (await client.get("/get_server_info")).json()
     assert server["max_batch"] == 64 and server["weight_version"] == "0" and server["version"]
@@ -86,9 +92,8 @@ async def test_info_endpoints(client: httpx.AsyncClient, tiny_model_dir: Path) -
 
 
 async def test_generate_input_ids_and_text(client: httpx.AsyncClient, app: FastAPI) -> None:
-    out = await _gen(client, input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 6, "temperature": 0.8,
-                                                                  "sampling_seed": 1},
-                     return_logprob=True, rid="ids-1")
+    sampling = {"max_new_tokens": 6, "temperature": 0.8, "sampling_seed": 1}
+    out = await _gen(client, input_ids=[5, 6, 7], sampling_params=sampling, return_logprob=True, rid="ids-1")
     meta = out.meta_info
     assert meta.id == "ids-1" and meta.prompt_tokens == 3 and meta.weight_version == "0"
     assert len(out.output_ids) == meta.completion_tokens == len(meta.output_token_logprobs or [])
@@ -97,8 +102,7 @@ async def test_generate_input_ids_and_text(client: httpx.AsyncClient, app: FastA
     assert meta.model_extra and meta.model_extra["engine"] == "test-engine"
     if meta.finish_reason.type == "length":
         assert meta.finish_reason.length == 6 == len(out.output_ids)
-    again = await _gen(client, input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 6, "temperature": 0.8,
-                                                                    "sampling_seed": 1})
+    again = await _gen(client, input_ids=[5, 6, 7], sampling_params=sampling)
     assert again.output_ids == out.output_ids  # same seed, same tokens
     text = await _gen(client, text="hello", sampling_params={"max_new_tokens": 3, "temperature": 0})
     assert text.meta_info.prompt_tokens == len(_engine(app).tokenizer("hello")["input_ids"])
@@ -107,7 +111,8 @@ async def test_generate_input_ids_and_text(client: httpx.AsyncClient, app: FastA
     assert zero.output_ids == [] and zero.meta_info.finish_reason.type == "length"
 
 
-async def test_logprobs_batched_vs_single_vs_full_forward(client: httpx.AsyncClient, app: FastAPI) -> None:
+async def test_logprobs_batched_vs_single_vs_full_forward(client: httpx.AsyncClient,
+                                                          app: FastAPI) -> None:
     engine = _engine(app)
     prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [100], [40, 41, 42, 43], [70, 71], [9] * 12]
     temps = [0.7, 1.0, 0.0, 1.3, 0.0, 0.9]
@@ -132,22 +137,21 @@ async def test_logprobs_batched_vs_single_vs_full_forward(client: httpx.AsyncCli
         assert max(abs(x - y) for x, y in zip(full, lp_b, strict=True)) < 1e-4
 
 
-async def test_stop_token_included(client: httpx.AsyncClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = await _gen(client, input_ids=[20, 21, 22], sampling_params={"max_new_tokens": 12, "temperature": 0.9,
-                                                                      "sampling_seed": 7}, return_logprob=True)
+async def test_stop_token_included(client: httpx.AsyncClient, app: FastAPI,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    sampling = {"max_new_tokens": 12, "temperature": 0.9, "sampling_seed": 7}
+    base = await _gen(client, input_ids=[20, 21, 22], sampling_params=sampling, return_logprob=True)
     assert len(base.output_ids) >= 4
     stop = base.output_ids[3]
     cut = base.output_ids.index(stop) + 1
     out = await _gen(client, input_ids=[20, 21, 22], return_logprob=True,
-                     sampling_params={"max_new_tokens": 12, "temperature": 0.9, "sampling_seed": 7,
-                                      "stop_token_ids": [stop]})
+                     sampling_params={**sampling, "stop_token_ids": [stop]})
     assert out.output_ids == base.output_ids[:cut] and out.output_ids[-1] == stop
     assert out.meta_info.finish_reason.type == "stop" and out.meta_info.finish_reason.matched == stop
     assert len(out.meta_info.output_token_logprobs or []) == cut  # the stop token has its logprob
     # The tokenizer's EOS always stops, without being asked for.
     monkeypatch.setattr(_engine(app), "eos_ids", frozenset({stop}))
-    eos = await _gen(client, input_ids=[20, 21, 22], sampling_params={"max_new_tokens": 12, "temperature": 0.9,
-                                                                     "sampling_seed": 7})
+    eos = await _gen(client, input_ids=[20, 21, 22], sampling_params=sampling)
     assert eos.output_ids == out.output_ids and eos.meta_info.finish_reason.matched == stop
 
 
@@ -224,7 +228,8 @@ async def test_update_weights_from_disk(client: httpx.AsyncClient, app: FastAPI,
     before = await _gen(client, **body)
     new_dir = _perturbed_copy(tiny_model_dir, tmp_path / "v5")
     try:
-        resp = await client.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "5"})
+        resp = await client.post("/update_weights_from_disk",
+                                 json={"model_path": str(new_dir), "weight_version": "5"})
         assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
         assert (await client.get("/get_weight_version")).json() == {"weight_version": "5"}
         after = await _gen(client, **body)
@@ -251,4 +256,5 @@ async def test_update_weights_from_disk(client: httpx.AsyncClient, app: FastAPI,
         assert resp.json()["success"] is True
     restored = await _gen(client, **body)
     assert restored.output_ids == before.output_ids and restored.meta_info.weight_version == "0"
-    assert json.dumps(restored.meta_info.output_token_logprobs) == json.dumps(before.meta_info.output_token_logprobs)
+    assert json.dumps(restored.meta_info.output_token_logprobs) == json.dumps(
+        before.meta_info.output_token_logprobs)

@@ -53,8 +53,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         for i in range(2):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
-            cmd = [sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir), "--port", str(port),
-                   "--engine-id", f"engine-{i}", "--max-batch", "16"]
+            cmd = [sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir),
+                   "--port", str(port), "--engine-id", f"engine-{i}", "--max-batch", "16"]
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(logs / f"engine{i}.log").open("wb"),
                                           stderr=subprocess.STDOUT))
         rport = free_port()
@@ -78,7 +78,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 async def _burst(client: EngineClient, n: int, tag: str) -> list[str | None]:
     results = await asyncio.gather(*(
-        client.generate([5 + i, 6, 7], {"max_new_tokens": 4, "temperature": 0.8, "sampling_seed": i}, f"{tag}-{i}")
+        client.generate([5 + i, 6, 7], {"max_new_tokens": 4, "temperature": 0.8, "sampling_seed": i},
+                        f"{tag}-{i}")
         for i in range(n)))
     for i, r in enumerate(results):
         assert r.rid == f"{tag}-{i}" and r.prompt_tokens == 3

@@ -119,6 +119,19 @@ def soft_cross_entropy(logits: torch.Tensor, dist: torch.Tensor) -> torch.Tensor
     return per_pos[supervised].mean()
 
 
+@torch.no_grad()
+def legal_mass(model: Any, examples: list[Example], pad_id: int, batch_size: int = 128) -> float:
+    """Mean probability (T = 1) the model puts on the target set at the move positions (several ids)."""
+    masses = []
+    vocab = model.config.vocab_size
+    for b in range(0, len(examples), batch_size):
+        ids, attn, dist = collate(examples[b:b + batch_size], pad_id, vocab)
+        probs = torch.softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), dim=-1)
+        moves = (dist > 0).sum(-1) > 1
+        masses.append(((dist > 0).float() * probs).sum(-1)[moves])
+    return float(torch.cat(masses).mean())
+
+
 # ---------------------------------------------------------------- in-process player
 
 
@@ -296,6 +309,7 @@ def warmstart(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, ep
     vocab = model.config.vocab_size
     rng = random.Random(seed)
     examples = [ex for g in range(games) for ex in random_game_examples(tokenizer, rng, seed * 1_000_003 + g)]
+    heldout = [ex for g in range(100) for ex in random_game_examples(tokenizer, rng, -1 - g)]
     total_steps = epochs * ((len(examples) + batch_size - 1) // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, total_steps // 20)
@@ -316,10 +330,11 @@ def warmstart(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, ep
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             sched.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         if verbose:
-            print(f"epoch {epoch + 1}/{epochs}: loss {sum(losses) / len(losses):.4f} "
-                  f"({time.perf_counter() - start:.1f}s)", flush=True)
+            mass = legal_mass(model, heldout, tokenizer.pad_token_id)
+            print(f"epoch {epoch + 1}/{epochs}: loss {sum(losses) / len(losses):.4f}, held-out probability "
+                  f"on legal cells {mass:.4f} ({time.perf_counter() - start:.1f}s)", flush=True)
     torch.use_deterministic_algorithms(False)
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
