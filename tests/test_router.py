@@ -48,6 +48,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     logs = tmp_path_factory.mktemp("router-logs")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     procs: list[subprocess.Popen[bytes]] = []
+    files = [(logs / name).open("wb") for name in ("engine0.log", "engine1.log", "router.log")]
     try:
         urls = []
         for i in range(2):
@@ -55,11 +56,11 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             urls.append(f"http://127.0.0.1:{port}")
             cmd = [sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir),
                    "--port", str(port), "--engine-id", f"engine-{i}", "--max-batch", "16"]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(logs / f"engine{i}.log").open("wb"),
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=files[i],
                                           stderr=subprocess.STDOUT))
         rport = free_port()
         procs.append(subprocess.Popen(router_command(rport, urls), cwd=REPO, env=env,
-                                      stdout=(logs / "router.log").open("wb"), stderr=subprocess.STDOUT))
+                                      stdout=files[2], stderr=subprocess.STDOUT))
         router_url = f"http://127.0.0.1:{rport}"
 
         async def ready() -> None:
@@ -74,6 +75,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield Cluster(router_url, urls, tiny_model_dir)
     finally:
         _stop(procs)
+        for f in files:
+            f.close()
 
 
 async def _burst(client: EngineClient, n: int, tag: str) -> list[str | None]:

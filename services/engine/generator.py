@@ -4,9 +4,9 @@ The worker thread owns the model. Each round it runs pending control operations 
 then takes the queued requests (up to ``max_batch``) and decodes them as ONE batch: left-padded
 prompts, attention mask, explicit position ids, KV cache, per-row temperature / top-p / top-k /
 max_new_tokens / stop tokens (EOS always stops) / seed. A request thus runs wholly on one weight
-version. A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain
-``log_softmax``), as a trainer's full-sequence forward computes it. Async callers await an
-asyncio future that the worker resolves through ``loop.call_soon_threadsafe``.
+version. A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``),
+as a trainer's full-sequence forward computes it. Async callers await an asyncio future that the
+worker resolves through ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 log = logging.getLogger("tandem.engine")
+_GREEDY_BELOW = 1e-6  # as in SGLang: a lower temperature means greedy, logprobs of T = 1
 
 
 class EngineError(ValueError):
@@ -226,8 +227,8 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rows: list[GenRequest],
                 gens: list[torch.Generator]) -> tuple[list[int], list[float]]:
-        temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows])
-        greedy = torch.tensor([r.temperature <= 0 for r in rows])
+        temps = torch.tensor([r.temperature if r.temperature >= _GREEDY_BELOW else 1.0 for r in rows])
+        greedy = torch.tensor([r.temperature < _GREEDY_BELOW for r in rows])
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         tok = logp.argmax(dim=-1)
         if not bool(greedy.all()):

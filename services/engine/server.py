@@ -64,11 +64,9 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-async def _parse(request: Request, model: type[BaseModel], allow_empty: bool = False) -> Any:
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
     """Parse a JSON body into ``model``; raise EngineError with the reason otherwise."""
     raw = await request.body()
-    if not raw.strip() and allow_empty:
-        return model()
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
