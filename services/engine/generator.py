@@ -142,11 +142,10 @@ class Engine:
             hit = [r for r in self._queue + self._running if abort_all or r.rid == rid]
             for r in hit:
                 r.aborted = True
-                if r in self._queue:
+                if r in self._queue and r.done is not None:  # queued: answer now; running: at next step
                     self._queue.remove(r)
                     _finish_abort(r)
-                    if r.done is not None:
-                        r.done.resolve(r)
+                    r.done.resolve(r)
         return len(hit)
 
     def set_paused(self, paused: bool) -> None:
