@@ -48,4 +48,4 @@ def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small warm-started demo model (legal tic-tac-toe moves), made once per session."""
     from services.demo.warmstart import warmstart
 
-    return Path(warmstart(tmp_path_factory.mktemp("warm") / "model", seed=0, games=300, epochs=3))
+    return Path(warmstart(tmp_path_factory.mktemp("warm") / "model", seed=0, games=600, epochs=4))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from typing import Any
 
@@ -105,11 +106,11 @@ class Coordinator:
         self.state.episode_times.append(time.time())
 
     async def _play(self, env: Any, group_id: str, roles: dict[str, str], purpose: str,
-                    sampling: dict[str, SamplingParams]) -> EpisodeResult | None:
+                    sampling: dict[str, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
         async with self.slots:
             try:
                 result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
-                                            self.generate, self.reply_stream, purpose)
+                                            self.generate, self.reply_stream, purpose, rng)
             except (TimeoutError, RuntimeError) as exc:
                 log.warning("episode of group %s abandoned: %s", group_id, exc)
                 return None
@@ -181,8 +182,9 @@ class Coordinator:
         for i in range(ev.episodes):
             mine = roles[i % len(roles)]
             mapping = {r: (agent if r == mine else f"{SCRIPTED}{ev.opponent}") for r in roles}
-            env = self.env_cls(env_cfg.params, 7_000_000 + i)
-            jobs.append((mine, self._play(env, f"eval-{agent}-{i}", mapping, "eval", sampling)))
+            env = self.env_cls(env_cfg.params, 7_000_000 + i)  # the same held-out episodes every time
+            jobs.append((mine, self._play(env, f"eval-{agent}-{i}", mapping, "eval", sampling,
+                                          random.Random(7_000_000 + i))))
         results = await asyncio.gather(*(j for _, j in jobs))
         scores = [score_for(r.rewards, mine) for (mine, _), r in zip(jobs, results, strict=True) if r]
         return sum(scores) / max(len(scores), 1)

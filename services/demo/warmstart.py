@@ -38,10 +38,10 @@ from services.envs.tictactoe import TicTacToe, legal_cells
 
 DEFAULT_HIDDEN = 64
 DEFAULT_LAYERS = 2
-DEFAULT_GAMES = 3000
+DEFAULT_GAMES = 1000
 DEFAULT_EPOCHS = 6
-DEFAULT_LR = 3e-3
-DEFAULT_BATCH = 64
+DEFAULT_LR = 2e-3
+DEFAULT_BATCH = 8
 MAX_NEW_TOKENS = 4
 
 
@@ -97,7 +97,8 @@ def random_game_examples(tokenizer: Any, rng: random.Random, seed: int) -> list[
     return [ex for ex in examples.values() if ex.targets]
 
 
-def collate(examples: list[Example], pad_id: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int, vocab: int,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, attention mask and target distributions [B, T-1, V] (zero rows = no loss)."""
     t = max(len(e.tokens) for e in examples)
     ids = torch.full((len(examples), t), pad_id, dtype=torch.long)

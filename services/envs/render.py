@@ -7,16 +7,24 @@ appended exactly as the engine returned them, never re-encoded.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
-def render_user_turn(tokenizer: Any, text: str, system: str | None = None) -> list[int]:
+@functools.lru_cache(maxsize=65536)
+def _render(tokenizer: Any, text: str, system: str | None) -> tuple[int, ...]:
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": text}]
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
-    return [int(t) for t in out]
+    return tuple(int(t) for t in out)
+
+
+def render_user_turn(tokenizer: Any, text: str, system: str | None = None) -> list[int]:
+    """Chat-template tokens of one user message plus the generation prompt (memoised:
+    the template is a pure function of tokenizer and text, and rendering is costly)."""
+    return list(_render(tokenizer, text, system))
 
 
 def close_assistant_turn(tokenizer: Any, output_ids: list[int]) -> list[int]:
