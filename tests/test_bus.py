@@ -7,10 +7,8 @@ import signal
 import sys
 import textwrap
 
-import redis
-
 from services.common.bus import Bus
-from services.contracts.codec import FIELD, decode, encode
+from services.contracts.codec import FIELD, encode
 from services.contracts.messages import Control, DeadLetter
 
 
@@ -29,25 +27,38 @@ async def test_malformed_entries_go_to_deadletter_and_consumer_goes_on(redis_url
         seen.append(msg.command)
         if msg.args.get("boom"):
             raise RuntimeError("handler exploded")
-        if len(seen) == 3:
-            stop.set()
+        if msg.args.get("reject"):
+            raise ValueError("not for me")
+
+    async def until_five_letters() -> None:
+        for _ in range(500):  # polls the test's own observation, bounded
+            if await bus.redis.xlen(bus.streams.deadletter) >= 5:
+                break
+            await asyncio.sleep(0.02)
+        stop.set()
 
     await bus.redis.xadd(stream, {FIELD: b"\xc1not msgpack"})
     await bus.redis.xadd(stream, {"wrong": b"x"})
     await bus.redis.xadd(stream, {FIELD: encode(Control(command="pause")).replace(b"pause", b"pouse")})
     await bus.publish(stream, Control(command="pause"))
     await bus.publish(stream, Control(command="resume", args={"boom": True}))
+    await bus.publish(stream, Control(command="eval", args={"reject": True}))
     await bus.publish(stream, Control(command="stop"))
-    await asyncio.wait_for(bus.consume(stream, "g", "c1", Control, handler, stop), 10)
+    watcher = asyncio.create_task(until_five_letters())
+    await asyncio.wait_for(bus.consume(stream, "g", "c1", Control, handler, stop, claim_idle_ms=50,
+                                       max_deliveries=2, block_ms=50), 10)
+    await watcher
 
-    assert seen == ["pause", "resume", "stop"]
+    # a transient failure is retried (reclaimed once), then dead-lettered; a rejection is not retried
+    assert seen == ["pause", "resume", "eval", "stop", "resume"]
     letters = await bus.read_all(bus.streams.deadletter, DeadLetter)
     reasons = [d.reason for d in letters]
-    assert len(letters) == 4
+    assert len(letters) == 5
     assert "not valid msgpack" in reasons[0]
     assert "no 'd' field" in reasons[1]
     assert "invalid Control" in reasons[2] and "command" in reasons[2]
-    assert "handler exploded" in reasons[3]
+    assert "rejected by test: not for me" in reasons[3]
+    assert "handler exploded" in reasons[4] and "after 2 deliveries" in reasons[4]
     assert letters[0].payload == b"\xc1not msgpack" and letters[0].source_stream == stream
     pending = await bus.redis.xpending(stream, "g")
     assert pending["pending"] == 0
@@ -132,11 +143,3 @@ async def test_trim_never_cuts_unacknowledged_entries(redis_url):
     left = [e.decode() for e, _ in await bus.redis.xrange(stream)]
     assert left == ids[1:]
     await bus.close()
-
-
-def test_payload_decode_uses_one_codec(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    msg = Control(command="eval")
-    client.xadd("s", {FIELD: encode(msg)})
-    (_, fields), = client.xrange("s")
-    assert decode(fields[FIELD], Control) == msg

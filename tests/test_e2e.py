@@ -73,14 +73,16 @@ def run(tmp_path_factory, warm_model_dir):
     observed: dict = {}
     try:
         _wait(lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200, 240, "the control API", proc)
+        _wait(lambda: httpx.get(f"{api}/v1/status", timeout=2).json()["phase"] == "training", 240,
+              "training to start", proc)
         assert httpx.post(f"{api}/v1/pause", timeout=5).json()["paused"] is True
+        observed["at_pause"] = httpx.get(f"{api}/v1/status", timeout=2).json()
 
-        def settled_in_training():
+        def settled():
             st = httpx.get(f"{api}/v1/status", timeout=2).json()
-            groups = [a["groups"] for a in st["agents"].values()]
-            return st if st["phase"] == "training" and all(g["in_flight"] == 0 for g in groups) else None
+            return st if all(a["groups"]["in_flight"] == 0 for a in st["agents"].values()) else None
 
-        st = _wait(settled_in_training, 240, "the start evaluation to finish", proc)
+        st = _wait(settled, 120, "the groups in flight at the pause to finish", proc)
         time.sleep(2.0)
         st2 = httpx.get(f"{api}/v1/status", timeout=2).json()
         observed["paused"] = (st, st2)
@@ -187,11 +189,15 @@ def test_weight_versions_on_samples_rise(run):
 
 
 def test_pause_stops_new_episodes_and_resume_restarts_them(run):
+    at_pause = run["at_pause"]
     before, after = run["paused"]
-    assert before["paused"] and after["paused"]
+    assert at_pause["paused"] and before["paused"] and after["paused"]
+    # groups were running when the pause came; they finished, and nothing new started for 2 s
+    assert any(a["groups"]["in_flight"] + a["groups"]["kept"] > 0 for a in at_pause["agents"].values())
     assert after["episodes"] == before["episodes"], "episodes started while paused"
-    for a in after["agents"].values():
-        assert a["groups"]["kept"] == 0 and a["groups"]["in_flight"] == 0
+    for name, a in after["agents"].items():
+        assert a["groups"] == before["agents"][name]["groups"]
+        assert a["groups"]["in_flight"] == 0
     assert run["resumed"]["episodes"] > after["episodes"]
 
 

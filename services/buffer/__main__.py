@@ -22,7 +22,7 @@ async def main_async(config: str, agent: str) -> int:
     async def report(v: GroupVerdict) -> None:
         await bus.publish(bus.streams.events, Event(source=bus.service, kind="group_done", agent=agent,
                                                     data={"group_id": v.group_id, "kept": v.kept,
-                                                          "reason": v.reason}))
+                                                          "reason": v.reason, "was_kept": v.was_kept}))
 
     async def release() -> None:
         batches, dropped = await store.release()

@@ -1,5 +1,7 @@
 """One agent's sample store in Redis: samples by id, groups by id, a ready queue.
 
+One buffer process per agent (its consumer group reads with concurrency 1).
+
 A sample is durable (HSET) before its stream entry is acknowledged, and
 storing it twice is a no-op, so redelivery never duplicates. A group is
 complete when ``group_size`` samples of it are stored; it is then kept
@@ -23,6 +25,7 @@ class GroupVerdict:
     group_id: str
     kept: bool
     reason: str = ""
+    was_kept: bool = False  # dropped after an earlier "kept" verdict (stale at release)
 
 
 class SampleStore:
@@ -33,30 +36,41 @@ class SampleStore:
         s = bus.streams
         self.k_samples = s.buffer_samples(agent)
         self.k_ready = s.buffer_ready(agent)
-        self.k_complete = s.key(f"buffer:{agent}:complete_groups")
+        self.k_verdicts = s.key(f"buffer:{agent}:verdicts")  # group id -> "kept" or the drop reason
         self.k_released = s.key(f"buffer:{agent}:released")
 
     def k_group(self, group_id: str) -> str:
         return self.bus.streams.buffer_group(self.agent, group_id)
 
     async def add(self, sample: Sample) -> GroupVerdict | None:
-        """Store a sample; return a verdict when this sample completed its group."""
+        """Store a sample; return the group's verdict once the group is complete.
+
+        Safe to repeat: storing is keyed by sample id, and the verdict of a group
+        is decided once, recorded with the ready-queue push in one transaction,
+        and returned again on a repeat (so a verdict event lost to a crash is
+        re-sent on redelivery; the coordinator ignores duplicates)."""
         if sample.agent != self.agent:
             raise ValueError(f"sample of agent {sample.agent!r} reached the buffer of {self.agent!r}")
         r = self.bus.redis
+        decided = await r.hget(self.k_verdicts, sample.group_id)
+        if decided is not None:  # a redelivery after the verdict: store nothing, repeat the verdict
+            reason = decided.decode()
+            return GroupVerdict(sample.group_id, reason == "kept", "" if reason == "kept" else reason)
         async with r.pipeline(transaction=True) as pipe:
             pipe.hset(self.k_samples, sample.id, encode(sample))
             pipe.sadd(self.k_group(sample.group_id), sample.id)
             pipe.scard(self.k_group(sample.group_id))
             _, _, size = await pipe.execute()
-        if size < sample.group_size or not await r.sadd(self.k_complete, sample.group_id):
+        if size < sample.group_size:
             return None
         samples = await self.group_samples(sample.group_id)
-        rewards = {s.reward for s in samples}
-        if self.filter_zero_variance and len(rewards) == 1:
-            await self.drop(sample.group_id, samples)
+        if self.filter_zero_variance and len({s.reward for s in samples}) == 1:
+            await self.drop(sample.group_id, samples, "zero reward variance")
             return GroupVerdict(sample.group_id, False, "zero reward variance")
-        await r.rpush(self.k_ready, sample.group_id)
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.k_verdicts, sample.group_id, "kept")
+            pipe.rpush(self.k_ready, sample.group_id)
+            await pipe.execute()
         return GroupVerdict(sample.group_id, True)
 
     async def group_samples(self, group_id: str) -> list[Sample]:
@@ -64,10 +78,11 @@ class SampleStore:
         raws = await self.bus.redis.hmget(self.k_samples, ids) if ids else []
         return [decode(raw, Sample) for raw in raws if raw is not None]
 
-    async def drop(self, group_id: str, samples: list[Sample]) -> None:
+    async def drop(self, group_id: str, samples: list[Sample], reason: str) -> None:
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             if samples:
                 pipe.hdel(self.k_samples, *[s.id for s in samples])
+            pipe.hset(self.k_verdicts, group_id, reason)
             pipe.delete(self.k_group(group_id))
             pipe.lrem(self.k_ready, 0, group_id)
             await pipe.execute()
@@ -88,8 +103,8 @@ class SampleStore:
                      if not ss or (step - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
             if stale:
                 for g in stale:
-                    await self.drop(g, groups[g])
-                    dropped.append(GroupVerdict(g, False, "stale"))
+                    await self.drop(g, groups[g], "stale")
+                    dropped.append(GroupVerdict(g, False, "stale", was_kept=True))
                 continue
             samples = [s for g in group_ids for s in groups[g]]
             batch = Batch(agent=self.agent, step=step, samples=samples)

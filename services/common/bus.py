@@ -6,8 +6,11 @@ Delivery rules (DESIGN §2):
 * entries left pending by a dead consumer are reclaimed with XAUTOCLAIM;
 * effects are idempotent by message id: ids whose effect is done are kept in a
   per-group set and a redelivered one is acknowledged without running again;
-* a payload that fails to decode or validate, or whose handler raises, goes to
-  the dead-letter stream with the reason and the consumer goes on;
+* a payload that fails to decode or validate, or whose handler rejects it
+  (``ValueError``), goes to the dead-letter stream with the reason at once and
+  the consumer goes on; any other handler failure leaves the entry pending, so
+  it is retried (reclaimed) until it has been delivered ``max_deliveries``
+  times, and only then dead-lettered;
 * nothing is trimmed here except by ``trim_acknowledged``, which never cuts
   past an entry some group has not acknowledged.
 """
@@ -35,6 +38,10 @@ log = logging.getLogger("tandem.bus")
 
 class RetryLater(Exception):
     """Raised by a handler to leave the entry pending; it is reclaimed later."""
+
+
+MAX_DELIVERIES = 3
+DONE_TTL_S = 7 * 24 * 3600  # done-id sets outlive any redelivery, then expire
 
 
 class Bus:
@@ -79,6 +86,7 @@ class Bus:
         block_ms: int = 500,
         claim_idle_ms: int = 30_000,
         start: str = "0",
+        max_deliveries: int = MAX_DELIVERIES,
     ) -> None:
         """Run ``handler`` on every entry of ``stream`` for ``group`` until ``stop``.
 
@@ -87,6 +95,7 @@ class Bus:
         await self.ensure_group(stream, group, start)
         sem = asyncio.Semaphore(concurrency)
         tasks: set[asyncio.Task[None]] = set()
+        working: set[bytes] = set()  # entries this consumer is handling now: never reclaim those
         pending_id: str | None = "0"  # first our own pending entries (a restart), then new ones
         next_claim = 0.0
         while not stop.is_set():
@@ -104,14 +113,18 @@ class Bus:
                 elif pending_id:
                     pending_id = entries[-1][0].decode()
             for entry_id, fields in entries:
+                if entry_id in working:
+                    continue
+                job = self._handle(stream, group, entry_id.decode(), fields, model, handler, max_deliveries)
                 if concurrency == 1:
-                    await self._handle(stream, group, entry_id.decode(), fields, model, handler)
+                    await job
                     continue
                 await sem.acquire()
-                task = asyncio.create_task(
-                    self._handle(stream, group, entry_id.decode(), fields, model, handler))
+                working.add(entry_id)
+                task = asyncio.create_task(job)
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), sem.release()))
+                task.add_done_callback(
+                    lambda t, e=entry_id: (tasks.discard(t), working.discard(e), sem.release()))
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -124,8 +137,12 @@ class Bus:
             log.info("%s reclaimed %d pending entries of %s", consumer, len(claimed), stream)
         return claimed
 
+    async def _deliveries(self, stream: str, group: str, entry_id: str) -> int:
+        info = await self.redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+        return int(info[0]["times_delivered"]) if info else 1
+
     async def _handle(self, stream: str, group: str, entry_id: str, fields: dict[bytes, bytes],
-                      model: type[M], handler: Callable[[M], Awaitable[None]]) -> None:
+                      model: type[M], handler: Callable[[M], Awaitable[None]], max_deliveries: int) -> None:
         raw = fields.get(FIELD)
         if raw is None:
             await self.dead_letter(stream, entry_id, b"", f"entry has no {FIELD.decode()!r} field")
@@ -149,12 +166,20 @@ class Bus:
             return
         except asyncio.CancelledError:
             raise
+        except (ValueError, ValidationError) as exc:  # the message itself is unusable
+            await self.dead_letter(stream, entry_id, raw, f"rejected by {self.service}: {exc}")
         except Exception as exc:  # a failing message must not stop the service
-            log.exception("handler failed on %s %s", stream, entry_id)
-            await self.dead_letter(stream, entry_id, raw,
-                                   f"processing failed in {self.service}: {type(exc).__name__}: {exc}")
+            tries = await self._deliveries(stream, group, entry_id)
+            if tries < max_deliveries:
+                log.warning("handler failed on %s %s (delivery %d of %d), will retry: %r",
+                            stream, entry_id, tries, max_deliveries, exc)
+                return
+            log.exception("handler failed on %s %s for the last time", stream, entry_id)
+            await self.dead_letter(stream, entry_id, raw, f"processing failed in {self.service} after "
+                                   f"{tries} deliveries: {type(exc).__name__}: {exc}")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(done_key, msg_id)
+            pipe.expire(done_key, DONE_TTL_S)
             pipe.xack(stream, group, entry_id)
             await pipe.execute()
 

@@ -62,13 +62,14 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
 
 
 async def watch_control(bus: Bus, group: str, stop: asyncio.Event,
-                        on_command: Callable[[Control], Awaitable[None]] | None = None) -> None:
+                        on_command: Callable[[Control], Awaitable[None]] | None = None,
+                        stop_on_stop: bool = True) -> None:
     """Each service reads every control command through its own group."""
 
     async def handle(cmd: Control) -> None:
         if on_command is not None:
             await on_command(cmd)
-        if cmd.command == "stop":
+        if cmd.command == "stop" and stop_on_stop:
             stop.set()
 
     await bus.consume(bus.streams.control, group, group, Control, handle, stop, start="$")

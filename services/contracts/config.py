@@ -43,9 +43,8 @@ class AlgorithmConfig(Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in BUILTIN_ALGORITHMS and not PLUGIN_PATH.match(v):
-            raise ValueError(f"unknown algorithm {v!r}; built-ins: {', '.join(BUILTIN_ALGORITHMS)} "
-                             "or a plug-in as package.module:Name")
+        if v not in BUILTIN_ALGORITHMS:
+            raise ValueError(f"unknown algorithm {v!r}; available: {', '.join(BUILTIN_ALGORITHMS)}")
         return v
 
 
@@ -68,6 +67,13 @@ class AgentConfig(Strict):
     def _backend_available(cls, v: str) -> str:
         if v == "megatron":
             raise ValueError("backend 'megatron' is not available yet in this build; use 'torch'")
+        return v
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_available(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("LoRA is not available yet in this build; leave lora unset")
         return v
 
 
@@ -94,7 +100,7 @@ class EnvironmentConfig(Strict):
 
 
 class RunConfig(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)
     seed: int = 0
     total_steps: int = Field(10, ge=1, description="training steps (weight versions) per agent")
     concurrent_episodes: int = Field(16, ge=1)

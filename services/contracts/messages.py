@@ -35,10 +35,10 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(16, ge=1)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    max_new_tokens: int = Field(16, ge=1, le=2**20)
     stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
 class GenerateRequest(Message):

@@ -18,11 +18,11 @@ class GenerateSamplingParams(BaseModel):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(128, ge=0)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    max_new_tokens: int = Field(128, ge=0, le=2**20)
     stop_token_ids: list[int] | None = None
     stop: str | list[str] | None = None
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
 class GenerateReqInput(BaseModel):

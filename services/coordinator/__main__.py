@@ -19,17 +19,30 @@ async def main_async(config: str, port: int | None) -> int:
     log = setup_logging("coordinator")
     cfg = load_or_exit(config)
     bus = Bus(cfg.redis_url, cfg.run.name, "coordinator")
-    coord = Coordinator(cfg, bus)
+    try:
+        coord = Coordinator(cfg, bus)
+    except ValueError as exc:  # the environment does not fit the config: name the field, do not start
+        log.error("invalid config %s: %s", config, exc)
+        await bus.close()
+        return 2
     stop = asyncio.Event()
     s = bus.streams
     server = uvicorn.Server(uvicorn.Config(create_app(coord), host=cfg.api.host, port=port or cfg.api.port,
                                            log_level="warning", lifespan="off"))
     started = time.time()
 
-    async def on_control(cmd: Control) -> None:  # commands published by someone else
-        if cmd.command in ("pause", "resume"):
-            coord.state.paused = cmd.command == "pause"
-            await coord.notify()
+    async def on_control(cmd: Control) -> None:  # commands published on the control stream
+        if cmd.command in ("pause", "resume") or (cmd.command == "stop" and cmd.args.get("reason") is None):
+            await coord.control(cmd.command, publish=False)
+
+    async def housekeeping() -> None:
+        """Trim what every consumer group has acknowledged, every 30 s."""
+        streams = [s.events, s.control, s.replies(coord.name)] + [
+            f(a) for a in cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
+        while not stop.is_set():
+            await asyncio.sleep(30)
+            for name in streams:
+                await bus.trim_acknowledged(name)
 
     async def run_and_report() -> None:
         await coord.run()
@@ -42,8 +55,9 @@ async def main_async(config: str, port: int | None) -> int:
         bus.consume(s.replies(coord.name), "coordinator", coord.name, GenerateReply, coord.on_reply, stop,
                     concurrency=1, count=64),
         bus.consume(s.events, "coordinator", coord.name, Event, coord.on_event, stop),
-        watch_control(bus, "control-coordinator", stop, on_control),
+        watch_control(bus, "control-coordinator", stop, on_control, stop_on_stop=False),
         server.serve(),
+        housekeeping(),
     ]
     runner = asyncio.ensure_future(run_and_report())
     await run_service("coordinator", bus, stop, *loops, runner)

@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from services.contracts.messages import Control
 from services.coordinator.scheduler import Coordinator
 
 
@@ -61,8 +62,17 @@ def create_app(coord: Coordinator) -> FastAPI:
     async def run_eval() -> dict[str, Any]:
         if coord.state.phase not in ("training",):
             raise HTTPException(409, f"evaluation on demand runs during training; the run is {coord.state.phase}")
-        asyncio.create_task(coord.evaluate_all("on-demand"))
+        if coord.eval_task is not None and not coord.eval_task.done():
+            raise HTTPException(409, "an evaluation is already running")
+        coord.eval_task = asyncio.create_task(coord.evaluate_all("on-demand"))
         return {"ok": True, "started": True}
+
+    @app.post("/v1/checkpoint", dependencies=[Depends(writer)])
+    async def checkpoint() -> dict[str, Any]:
+        if coord.state.phase in ("done", "stopped"):
+            raise HTTPException(409, f"the run is {coord.state.phase}; nothing to checkpoint")
+        await coord.bus.publish(coord.bus.streams.control, Control(command="checkpoint"))
+        return {"ok": True, "command": "checkpoint"}
 
     @app.get("/v1/episodes")
     async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from typing import Any
@@ -23,9 +24,14 @@ from services.contracts.messages import Control, Event, GenerateReply, GenerateR
 from services.coordinator.episode import SCRIPTED, EpisodeResult, play_episode
 from services.coordinator.state import RunState
 from services.envs.base import score_for
-from services.envs.registry import load_environment
+from services.envs.registry import check_environment_config
 
 log = logging.getLogger("tandem.coordinator")
+
+
+def finite(data: dict[str, Any]) -> dict[str, Any]:
+    """Metrics with NaN/inf replaced by None (JSON cannot carry them)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 TURN_TIMEOUT_S = 300.0
 EPISODE_CACHE = 2000
 
@@ -34,8 +40,7 @@ class Coordinator:
     def __init__(self, cfg: TandemConfig, bus: Bus, name: str = "coordinator") -> None:
         self.cfg, self.bus, self.name = cfg, bus, name
         self.state = RunState.from_config(cfg)
-        self.env_cls = load_environment(cfg.environment.name)
-        self.env_cls.check_params(cfg.environment.params)
+        self.env_cls = check_environment_config(cfg.environment)
         self.tokenizers = {a: AutoTokenizer.from_pretrained(c.model_path) for a, c in cfg.agents.items()}
         self.reply_stream = bus.streams.replies(name)
         self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
@@ -44,6 +49,7 @@ class Coordinator:
         self.episodes: dict[str, dict[str, Any]] = {}
         self.evals: list[dict[str, Any]] = []
         self.group_tasks: set[asyncio.Task[None]] = set()
+        self.eval_task: asyncio.Task[dict[str, float]] | None = None
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -77,23 +83,22 @@ class Coordinator:
             if version not in agent.versions_loaded:
                 agent.versions_loaded.append(version)
         elif ev.kind == "train_step":
-            agent.train_steps.append({**ev.data, "time": ev.created_at})
+            agent.train_steps.append({**finite(ev.data), "time": ev.created_at})
         elif ev.kind == "group_done":
-            agent.in_flight_groups = max(0, agent.in_flight_groups - 1)
-            if ev.data.get("kept"):
-                agent.kept_groups += 1
-            else:
-                agent.dropped_groups += 1
+            agent.resolve_group(str(ev.data.get("group_id")), "kept" if ev.data.get("kept") else "dropped")
         await self.notify()
 
-    async def control(self, command: str) -> None:
+    async def control(self, command: str, publish: bool = True) -> None:
+        """pause / resume / stop the run. ``stop`` ends it gracefully: no new groups, the
+        report is written, and only then are the other services told to stop."""
         if command == "pause":
             self.state.paused = True
         elif command == "resume":
             self.state.paused = False
         elif command == "stop":
             self.state.stop_requested = True
-        await self.bus.publish(self.bus.streams.control, Control(command=command))  # type: ignore[arg-type]
+        if publish and command != "stop":
+            await self.bus.publish(self.bus.streams.control, Control(command=command))  # type: ignore[arg-type]
         await self.notify()
 
     async def record(self, result: EpisodeResult) -> None:
@@ -111,8 +116,8 @@ class Coordinator:
             try:
                 result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
                                             self.generate, self.reply_stream, purpose, rng)
-            except (TimeoutError, RuntimeError) as exc:
-                log.warning("episode of group %s abandoned: %s", group_id, exc)
+            except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
+                log.warning("episode of group %s abandoned: %r", group_id, exc)
                 return None
         await self.record(result)
         return result
@@ -134,24 +139,31 @@ class Coordinator:
     async def run_group(self, index: int, roles: dict[str, str]) -> None:
         env_cfg = self.cfg.environment
         group_id = f"g{index:06d}-{new_id()[:8]}"
-        envs = self.env_cls.make_group(env_cfg.params, self.cfg.run.seed * 1_000_003 + index, env_cfg.group_size)
-        sampling = {a: c.sampling for a, c in self.cfg.agents.items()}
-        results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling) for e in envs))
-        done = [r for r in results if r is not None]
-        per_agent: dict[str, list[Any]] = {a: [] for a in set(roles.values())}
-        counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask))
-                  for a in per_agent}
-        for r in done:
-            for sample in r.samples(counts):
-                await self.bus.publish(self.bus.streams.samples(sample.agent), sample)
-                per_agent[sample.agent].append(sample)
-        for agent, samples in per_agent.items():
-            st = self.state.agents[agent]
-            if samples:
-                st.group_rewards.append((time.time(), sum(s.reward for s in samples) / len(samples)))
-            else:  # nothing reached the buffer: no group_done will come for it
-                st.in_flight_groups = max(0, st.in_flight_groups - 1)
-        await self.notify()
+        agents = set(roles.values())
+        emitted: set[str] = set()
+        try:
+            envs = self.env_cls.make_group(env_cfg.params, self.cfg.run.seed * 1_000_003 + index,
+                                           env_cfg.group_size)
+            sampling = {a: c.sampling for a, c in self.cfg.agents.items()}
+            results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling) for e in envs))
+            done = [r for r in results if r is not None]
+            counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask))
+                      for a in agents}
+            rewards: dict[str, list[float]] = {a: [] for a in agents}
+            for r in done:
+                for sample in r.samples(counts):
+                    await self.bus.publish(self.bus.streams.samples(sample.agent), sample)
+                    emitted.add(sample.agent)
+                    rewards[sample.agent].append(sample.reward)
+            for agent, rs in rewards.items():
+                if rs:
+                    self.state.agents[agent].group_rewards.append((time.time(), sum(rs) / len(rs)))
+        except Exception:
+            log.exception("group %s failed", group_id)
+        finally:  # an agent with nothing in this group gets no verdict from its buffer
+            for agent in agents - emitted:
+                self.state.agents[agent].resolve_group(group_id, "empty")
+            await self.notify()
 
     async def training_loop(self) -> None:
         self.state.phase = "training"
@@ -205,6 +217,9 @@ class Coordinator:
             for agent, score in (await self.evaluate_all("start")).items():
                 self.state.agents[agent].eval_start = score
         await self.training_loop()
+        if self.state.stop_requested:
+            for task in self.group_tasks:
+                task.cancel()
         if self.group_tasks:
             await asyncio.gather(*self.group_tasks, return_exceptions=True)
         if not self.state.stop_requested and self.cfg.environment.eval.episodes:

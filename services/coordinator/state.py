@@ -34,6 +34,25 @@ class AgentState:
     group_rewards: list[tuple[float, float]] = field(default_factory=list)  # (time, mean reward)
     eval_start: float | None = None
     eval_end: float | None = None
+    group_status: dict[str, str] = field(default_factory=dict)
+
+    def resolve_group(self, group_id: str, outcome: str) -> None:
+        """Apply a group's outcome ("kept", "dropped", "empty") once; repeats are ignored.
+
+        A group moves in flight → kept | dropped | empty, and kept → dropped when the
+        buffer finds it stale at release."""
+        prev = self.group_status.get(group_id)
+        if prev == outcome or prev in ("dropped", "empty") or (prev == "kept" and outcome != "dropped"):
+            return
+        if prev is None:
+            self.in_flight_groups = max(0, self.in_flight_groups - 1)
+        else:
+            self.kept_groups -= 1
+        if outcome == "kept":
+            self.kept_groups += 1
+        elif outcome == "dropped":
+            self.dropped_groups += 1
+        self.group_status[group_id] = outcome
 
     @property
     def claimed(self) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from services.envs.base import Environment
+from services.contracts.config import EnvironmentConfig
+from services.envs.base import Environment, EnvParamError
 
 BUILTINS: dict[str, str] = {
     "tictactoe": "services.envs.tictactoe:TicTacToe",
@@ -34,3 +35,26 @@ def load_environment(name: str) -> type[Environment]:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"{path!r} is not an Environment subclass")
     return cls
+
+
+def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
+    """Load the environment and check its params, roles and eval opponent against it.
+
+    Raises ValueError whose message starts with the config field at fault."""
+    try:
+        env_cls = load_environment(env_cfg.name)
+    except ValueError as exc:
+        raise ValueError(f"environment.name: {exc}") from None
+    try:
+        env_cls.check_params(env_cfg.params)
+    except EnvParamError as exc:
+        raise ValueError(f"environment.params: {exc}") from None
+    missing = [r for r in env_cls.roles if r not in env_cfg.roles]
+    extra = [r for r in env_cfg.roles if r not in env_cls.roles]
+    if missing or extra:
+        raise ValueError(f"environment.roles: {env_cls.__name__} has roles {list(env_cls.roles)}; "
+                         f"missing {missing}, unknown {extra}")
+    if env_cfg.eval.episodes and env_cfg.eval.opponent not in env_cls.scripted_players:
+        raise ValueError(f"environment.eval.opponent: {env_cfg.eval.opponent!r} is not one of "
+                         f"{list(env_cls.scripted_players)}")
+    return env_cls

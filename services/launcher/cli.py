@@ -14,7 +14,6 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="start Redis and every service locally and run the experiment")
     p_up.add_argument("config")
-    p_up.add_argument("--resume", action="store_true", help="keep the run's Redis data and checkpoints")
     p_val = sub.add_parser("validate", help="check a config and exit")
     p_val.add_argument("config")
     p_demo = sub.add_parser("init-demo", help="create and warm-start the demo model (skipped if present)")
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from services.launcher.up import up
 
-    raise SystemExit(up(cfg, args.config, fresh=not args.resume))
+    raise SystemExit(up(cfg, args.config))
 
 
 if __name__ == "__main__":

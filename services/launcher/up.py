@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis as redis_lib
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -85,13 +86,24 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
     return api
 
 
-def up(cfg: TandemConfig, config_path: str, fresh: bool = True, console: Console | None = None) -> int:
+def clear_run_keys(redis_url: str, run: str) -> int:
+    """A fresh run on an external Redis starts without the keys of an earlier run of that name."""
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"tandem:{run}:*", count=1000))
+        return int(client.delete(*keys)) if keys else 0
+    finally:
+        client.close()
+
+
+def up(cfg: TandemConfig, config_path: str, console: Console | None = None) -> int:
+    """Run the experiment from scratch: the run's directory, checkpoints and Redis keys are reset."""
     console = console or Console()
     run_dir = cfg.run_dir()
-    ckpt = Path(cfg.run.checkpoint_root) / cfg.run.name
-    if fresh:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(Path(cfg.run.checkpoint_root) / cfg.run.name, ignore_errors=True)
+    if cfg.redis_url:
+        clear_run_keys(cfg.redis_url, cfg.run.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 

@@ -37,6 +37,8 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
         for attempt in range(RETRIES):
             try:
                 res = await client.generate(req.input_ids, sampling, rid=req.id)
+                if res.finish_reason == "abort":  # aborted on the engine: not a trajectory to train on
+                    raise EngineClientError(f"generate {req.id}: aborted: {res.finish_message}")
                 break
             except EngineClientError as exc:
                 if " HTTP 4" in str(exc):  # the request itself is bad: answer, then dead-letter it
@@ -58,6 +60,8 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
         if w.agent != agent:
             raise ValueError(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
         engines = await list_workers(router_url)
+        if not engines:
+            raise RetryLater(f"the router lists no engine to load version {w.version} on")
         await asyncio.gather(*(client.update_weights(url, w.path, w.version) for url in engines))
         await bus.redis.set(s.loaded_version(agent), w.version)
         await bus.publish(s.events, Event(source=bus.service, kind="weights_loaded", agent=agent,

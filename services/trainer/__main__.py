@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.messages import Batch, Event, WeightsUpdate
+from services.contracts.messages import Batch, Control, Event, WeightsUpdate
 from services.trainer.torch_backend import TorchPolicy
 
 
@@ -40,13 +40,19 @@ async def main_async(config: str, agent: str) -> int:
                              f"this trainer trains {agent!r}")
         seen = await bus.redis.smismember(s.trained_samples(agent), [x.id for x in batch.samples])
         fresh = [x for x, done in zip(batch.samples, seen, strict=True) if not done]
-        if not fresh:
+        if not fresh:  # a redelivery: re-announce the version it produced (a crash may have lost it)
+            for raw in await bus.redis.lrange(s.train_log(agent), 0, -1):
+                rec = json.loads(raw)
+                if rec["batch_id"] == batch.id:
+                    await bus.publish(s.weights(agent), WeightsUpdate(agent=agent, version=rec["version"],
+                                                                      path=rec["path"], checksum=rec["checksum"]))
             log.info("batch %s already trained; skipping", batch.id)
             return
         metrics = await asyncio.to_thread(policy.train_step, fresh)
         new_version = version + 1
         path, checksum = await asyncio.to_thread(policy.save, ckpt_dir / f"v{new_version:05d}")
         record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
+                  "path": str(path.resolve()), "checksum": checksum,
                   "engines": sorted({e for x in fresh for e in x.engines}),
                   "min_weight_version": min(x.min_weight_version for x in fresh)}
         async with bus.redis.pipeline(transaction=True) as pipe:
@@ -62,9 +68,14 @@ async def main_async(config: str, agent: str) -> int:
         log.info("step %d: reward %.3f loss %.4f clip %.3f (%d samples, %.2fs)", version, metrics["reward_mean"],
                  metrics["pg_loss"], metrics["clip_frac"], len(fresh), metrics["train_seconds"])
 
+    async def on_control(cmd: Control) -> None:
+        if cmd.command == "checkpoint":
+            path = await asyncio.to_thread(policy.save_state, ckpt_dir / "trainer_state.pt", version)
+            log.info("trainer state (optimizer, RNG, version %d) saved to %s", version, path)
+
     await run_service(f"trainer.{agent}", bus, stop,
                       bus.consume(s.batches(agent), "trainer", bus.service, Batch, on_batch, stop),
-                      watch_control(bus, f"control-trainer-{agent}", stop))
+                      watch_control(bus, f"control-trainer-{agent}", stop, on_control))
     return 0
 
 

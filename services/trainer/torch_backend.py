@@ -94,6 +94,13 @@ class TorchPolicy:
                 "samples": len(samples), "tokens": tokens, "train_seconds": elapsed,
                 "tokens_per_s": tokens / max(elapsed, 1e-9)}
 
+    def save_state(self, path: Path, version: int) -> Path:
+        """Optimizer, RNG and version next to the weights (full resume is the trainer issue's)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"version": version, "optimizer": self.optimizer.state_dict(),
+                    "rng": torch.get_rng_state()}, path)
+        return path
+
     def save(self, out_dir: Path) -> tuple[Path, str]:
         """Write an HF directory atomically (tmp dir + rename); return (path, checksum)."""
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
