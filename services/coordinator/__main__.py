@@ -46,7 +46,7 @@ async def main_async(config: str, port: int | None) -> int:
 
     async def run_and_report() -> None:
         await coord.run()
-        path = write_report(coord.state, coord.evals, cfg.run_dir(), time.time() - started)
+        path = await asyncio.to_thread(write_report, coord.state, coord.evals, cfg.run_dir(), time.time() - started)
         log.info("report written to %s", path)
         await bus.publish(s.control, Control(command="stop", args={"reason": coord.state.phase}))
         server.should_exit = True

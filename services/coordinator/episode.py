@@ -107,9 +107,12 @@ async def play_episode(
                 view.add_context(close_assistant_turn(tok, view.tokens))
             observation = env.observation(role)
             view.add_context(render_user_turn(tok, observation))
+            params = sampling[agent]
+            if params.seed is not None:  # a seeded episode: each turn draws from its own seed
+                params = params.model_copy(update={"seed": params.seed + turn})
             request = GenerateRequest(
                 agent=agent, episode_id=episode_id, group_id=group_id, turn=turn, role=role,
-                input_ids=list(view.tokens), sampling=sampling[agent], reply_stream=reply_stream,
+                input_ids=list(view.tokens), sampling=params, reply_stream=reply_stream,
                 purpose=purpose)
             reply = await generate(request)
             view.add_reply(reply)

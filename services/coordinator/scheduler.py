@@ -189,14 +189,16 @@ class Coordinator:
         env_cfg = self.cfg.environment
         ev = env_cfg.eval
         roles = list(self.env_cls.roles)
-        sampling = {agent: self.cfg.agents[agent].sampling.model_copy(update={"temperature": ev.temperature})}
+        base = self.cfg.agents[agent].sampling
         jobs = []
         for i in range(ev.episodes):
+            seed = 7_000_000 + 1000 * i  # the same held-out episodes, opponent moves and draws every time
+            sampling = {agent: base.model_copy(update={"temperature": ev.temperature, "seed": seed})}
             mine = roles[i % len(roles)]
             mapping = {r: (agent if r == mine else f"{SCRIPTED}{ev.opponent}") for r in roles}
-            env = self.env_cls(env_cfg.params, 7_000_000 + i)  # the same held-out episodes every time
+            env = self.env_cls(env_cfg.params, seed)
             jobs.append((mine, self._play(env, f"eval-{agent}-{i}", mapping, "eval", sampling,
-                                          random.Random(7_000_000 + i))))
+                                          random.Random(seed))))
         results = await asyncio.gather(*(j for _, j in jobs))
         scores = [score_for(r.rewards, mine) for (mine, _), r in zip(jobs, results, strict=True) if r]
         return sum(scores) / max(len(scores), 1)
