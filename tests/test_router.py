@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from services.common.embedded_redis import free_port
+from services.common.sglang_router import add_worker, list_workers, remove_worker, router_command, wait_healthy
 from services.rollout.engine_client import EngineClient, EngineClientError
-from services.rollout.router import add_worker, list_workers, remove_worker, router_command, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ from rich.live import Live
 from rich.table import Table
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
+from services.common.sglang_router import router_command
 from services.contracts.config import TandemConfig
 from services.launcher.processes import Child, ProcessGroup, child_env, python_module
-from services.rollout.router import router_command
 
 
 def status_table(status: dict | None) -> Table:

@@ -13,9 +13,9 @@ import asyncio
 
 from services.common.bus import Bus, RetryLater
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
+from services.common.sglang_router import list_workers
 from services.contracts.messages import Event, GenerateReply, GenerateRequest, WeightsUpdate
 from services.rollout.engine_client import EngineClient, EngineClientError
-from services.rollout.router import list_workers
 
 RETRIES = 5
 
