@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from services.contracts.config import ConfigError, TandemConfig
 from services.envs.registry import check_environment_config
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def preflight(cfg: TandemConfig, source: str) -> None:
@@ -14,6 +24,8 @@ def preflight(cfg: TandemConfig, source: str) -> None:
         check_environment_config(cfg.environment)
     except ValueError as exc:
         problems.append(str(exc))
+    if cfg.api.port and not port_is_free(cfg.api.host, cfg.api.port):
+        problems.append(f"api.port: {cfg.api.host}:{cfg.api.port} is in use (0 picks a free port)")
     for name, agent in cfg.agents.items():
         path = Path(agent.model_path)
         if not (path / "config.json").is_file():
