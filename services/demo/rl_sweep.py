@@ -11,7 +11,7 @@ eos when the reply was cut short). Each agent's ``Sample``s go through
 player (win 1, draw .5, loss or illegal 0; half the games as X, half as O)
 before training and every ``--eval-every`` steps.
 
-    python scripts/rl_sanity.py --model models/warm --steps 20 --seeds 0 1
+    python -m services.demo.rl_sweep --model models/demo-ttt --steps 12 --groups 16 --minibatches 2 --seeds 0 1
 """
 
 from __future__ import annotations
