@@ -11,7 +11,7 @@ result plays legal moves, uniformly at random: the starting point the RL demo
 then improves on.
 
 It also holds the small in-process player used to measure that (and by
-``services/demo/rl_sweep.py``): batched sampling from the model with the logprob of
+``tests/bench/rl_sweep.py``): batched sampling from the model with the logprob of
 each sampled token as ``log_softmax(logits / T)``, the same as the engine.
 
 CLI: ``python -m services.demo.warmstart OUT_DIR [--seed N] [--games N] [--epochs N]``.

@@ -11,7 +11,7 @@ eos when the reply was cut short). Each agent's ``Sample``s go through
 player (win 1, draw .5, loss or illegal 0; half the games as X, half as O)
 before training and every ``--eval-every`` steps.
 
-    python -m services.demo.rl_sweep --model models/demo-ttt --steps 12 --groups 16 --minibatches 2 --seeds 0 1
+    python tests/bench/rl_sweep.py --model models/demo-ttt --steps 12 --groups 16 --minibatches 2 --seeds 0 1
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
 
 from services.contracts.config import AlgorithmConfig  # noqa: E402
 from services.contracts.messages import Sample  # noqa: E402
