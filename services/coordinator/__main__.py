@@ -32,7 +32,7 @@ async def main_async(config: str, port: int | None) -> int:
     started = time.time()
 
     async def on_control(cmd: Control) -> None:  # commands published on the control stream
-        if cmd.command in ("pause", "resume") or (cmd.command == "stop" and cmd.args.get("reason") is None):
+        if cmd.command in ("pause", "resume", "stop"):  # its own final stop comes after the run: a no-op
             await coord.control(cmd.command, publish=False)
 
     async def housekeeping() -> None:

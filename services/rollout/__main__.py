@@ -41,7 +41,7 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
                     raise EngineClientError(f"generate {req.id}: aborted: {res.finish_message}")
                 break
             except EngineClientError as exc:
-                if " HTTP 4" in str(exc):  # the request itself is bad: answer, then dead-letter it
+                if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
                     await bus.publish(req.reply_stream, GenerateReply(
                         request_id=req.id, agent=agent, episode_id=req.episode_id, turn=req.turn, output_ids=[],
                         output_logprobs=[], finish_reason="abort", weight_version=-1, engine=router_url,

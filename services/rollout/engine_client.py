@@ -27,6 +27,15 @@ FinishType = Literal["stop", "length", "abort"]
 class EngineClientError(RuntimeError):
     """The router or an engine refused a request or answered something unparseable."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status when the engine answered with an error
+
+    @property
+    def request_rejected(self) -> bool:
+        """A 4xx: the request itself is bad, and retrying it cannot help."""
+        return self.status is not None and 400 <= self.status < 500
+
 
 @dataclass(frozen=True)
 class GenerateResult:
@@ -87,7 +96,8 @@ class EngineClient:
                 "rid": rid}
         resp = await self._post(f"{self.router_url}/generate", body)
         if resp.status_code != 200:
-            raise EngineClientError(f"generate {rid}: HTTP {resp.status_code}: {_error_message(resp)}")
+            raise EngineClientError(f"generate {rid}: HTTP {resp.status_code}: {_error_message(resp)}",
+                                    resp.status_code)
         try:
             out = GenerateReqOutput.model_validate(resp.json())
         except (ValueError, ValidationError) as exc:
