@@ -48,12 +48,23 @@ class AlgorithmConfig(Strict):
         return v
 
 
+class SGLangConfig(Strict):
+    """How the rollout starts ``sglang.launch_server`` for an agent with ``engine: sglang``."""
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    base_gpu_id: int = Field(0, ge=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
 class AgentConfig(Strict):
     model_path: str
     backend: Literal["torch", "megatron"] = "torch"
     engine: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)
     max_inflight_per_engine: int = Field(64, ge=1)
+    router_port: int = Field(0, ge=0, le=65535, description="the rollout's router port; 0 = a free port")
+    engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     groups_per_batch: int = Field(4, ge=1)
     max_staleness: int = Field(0, ge=0)
