@@ -109,6 +109,8 @@ async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitabl
         return (False, f"{ended} of {len(tasks)} loops ended") if ended else (True, "")
 
     port = _health_port if health_port is None else health_port
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun one process per pod serves it
+        port = 0
     health = HealthServer(name, status, port=port) if port else None
     if health is not None:
         try:
