@@ -12,10 +12,12 @@ compose file and the rendered manifests is one the code reads.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import importlib
 import importlib.resources
 import importlib.util
 import io
+import os
 import re
 import subprocess
 import sys
@@ -316,3 +318,26 @@ def test_k8s_images_are_the_ones_built_here(overlay):
     for c in k8s(overlay)[0]:
         gpus = c.extra["container"]["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert bool(gpus) == (gpu and c.module in ("services.rollout", "services.trainer")), c.where
+
+
+def test_image_install_pins_only_what_the_base_image_lacks(tmp_path):
+    def pins(bin_dir: Path) -> list[str]:
+        res = subprocess.run(["sh", "deploy/install-tandem.sh", "--pins"], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return [x for x in res.stdout.splitlines() if x]
+
+    wanted = [x for x in (REPO / "constraints.txt").read_text().splitlines() if re.match(r"[A-Za-z]", x)]
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "bare")], check=True, timeout=120)
+    assert pins(tmp_path / "bare" / "bin") == wanted  # a bare Python: every pin applies
+    assert pins(Path(sys.executable).parent) == []  # this venv already carries every pinned package
+
+
+def test_build_context_keeps_what_the_dockerfiles_copy():
+    ignored = [x.strip() for x in (REPO / ".dockerignore").read_text().splitlines() if x.strip()[:1] not in ("", "#")]
+    for text in _dockerfiles().values():
+        for line in re.findall(r"^COPY (.+) \S+$", text, re.M):
+            for src in line.split():
+                assert (REPO / src).exists(), f"COPY {src}: no such file"
+                assert not any(fnmatch.fnmatch(src, pat) or src.startswith(pat + "/") for pat in ignored), src
+    assert {".venv", "models", "checkpoints", "runs", ".git"} <= set(ignored)

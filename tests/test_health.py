@@ -138,3 +138,10 @@ async def test_a_taken_health_port_fails_at_start(redis_url):
 
         with pytest.raises(RuntimeError, match=f"health endpoint on port {port}"):
             await service.run_service("svc", bus, asyncio.Event(), never(), health_port=port)
+
+
+def test_launcher_children_do_not_inherit_a_health_port(monkeypatch):
+    from services.launcher.processes import child_env
+
+    monkeypatch.setenv("TANDEM_HEALTH_PORT", "8080")  # e.g. `tandem up` inside the image: one port, many services
+    assert "TANDEM_HEALTH_PORT" not in child_env({})
