@@ -174,8 +174,9 @@ def _config_of(c: Container, kind: str, name: str) -> tuple[Path, TandemConfig]:
     else:
         data = next(d.get("data", {}) for d in k8s(name)[1]
                     if d["kind"] == "ConfigMap" and d["metadata"]["name"] == c.config_source)
-        assert data == {p.name: p.read_text() for p in sorted((REPO / "configs").glob("*.yaml"))
-                        if p.name != "kustomization.yaml"}, f"{c.where}: /config is not configs/"
+        assert local.name in data, f"{c.where}: {local.name} is not in the ConfigMap {c.config_source}"
+        for key, text in data.items():
+            assert text == (REPO / "configs" / key).read_text(), f"{c.where}: /config/{key} is not configs/{key}"
     for key in c.env:
         if key.startswith("TANDEM__"):
             _walk_override(key, load_config(local, environ={}))
