@@ -48,12 +48,31 @@ class AlgorithmConfig(Strict):
         return v
 
 
+class SGLangEngineConfig(Strict):
+    """Arguments of ``python -m sglang.launch_server`` per engine (``engine: sglang``)."""
+
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    base_gpu_id: int = Field(0, ge=0, description="engine i uses GPUs base_gpu_id + i*tp_size ...")
+    extra_args: list[str] = Field(default_factory=list, description="appended to the launch_server command")
+
+
 class AgentConfig(Strict):
     model_path: str
     backend: Literal["torch", "megatron"] = "torch"
     engine: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)
     max_inflight_per_engine: int = Field(64, ge=1)
+    router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
+    engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> AgentConfig:
+        if self.engine_base_port and self.engine_base_port + self.num_engines - 1 > 65535:
+            raise ValueError(f"engine_base_port {self.engine_base_port} + num_engines {self.num_engines} "
+                             "runs past port 65535")
+        return self
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     groups_per_batch: int = Field(4, ge=1)
     max_staleness: int = Field(0, ge=0)

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,7 @@ class Engine:
         self._ops: list[tuple[Callable[[], Any], _Completion]] = []
         self.paused = False
         self._stopped = False
+        self.last_step_at = time.monotonic()
         # decode steps; requests that joined a running batch; requests that left while others ran on
         self.stats = {"decode_steps": 0, "joined_running": 0, "left_running": 0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -290,6 +292,7 @@ class Engine:
                          position_ids=b.next_pos[:, None], past_key_values=b.cache, use_cache=True)
         b.advance()
         self.stats["decode_steps"] += 1
+        self.last_step_at = time.monotonic()
         self._take(b.rows, out.logits[:, -1, :].float(), all_rows=True)
 
     def _prefill(self, reqs: list[GenRequest]) -> None:

@@ -129,6 +129,8 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if engine.load()["num_reqs"] and time.monotonic() - engine.last_step_at < 5.0:
+            return Response(status_code=200)  # as SGLang: busy and making progress is healthy
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[engine.pad_id], temperature=0.0,
                          max_new_tokens=1)
         try:
