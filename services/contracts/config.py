@@ -48,12 +48,13 @@ class AlgorithmConfig(Strict):
         return v
 
 
-class SGLangConfig(Strict):
-    """How the rollout starts ``sglang.launch_server`` for an agent with ``engine: sglang``."""
+class SGLangEngineConfig(Strict):
+    """Arguments of ``python -m sglang.launch_server`` per engine (``engine: sglang``)."""
+
     tp_size: int = Field(1, ge=1)
     mem_fraction_static: float = Field(0.85, gt=0, le=1)
-    base_gpu_id: int = Field(0, ge=0)
-    extra_args: list[str] = Field(default_factory=list)
+    base_gpu_id: int = Field(0, ge=0, description="engine i uses GPUs base_gpu_id + i*tp_size ...")
+    extra_args: list[str] = Field(default_factory=list, description="appended to the launch_server command")
 
 
 class AgentConfig(Strict):
@@ -62,9 +63,16 @@ class AgentConfig(Strict):
     engine: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)
     max_inflight_per_engine: int = Field(64, ge=1)
-    router_port: int = Field(0, ge=0, le=65535, description="the rollout's router port; 0 = a free port")
+    router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
     engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
-    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> AgentConfig:
+        if self.engine_base_port and self.engine_base_port + self.num_engines - 1 > 65535:
+            raise ValueError(f"engine_base_port {self.engine_base_port} + num_engines {self.num_engines} "
+                             "runs past port 65535")
+        return self
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     groups_per_batch: int = Field(4, ge=1)
     max_staleness: int = Field(0, ge=0)

@@ -84,6 +84,8 @@ class Coordinator:
                 agent.versions_loaded.append(version)
         elif ev.kind == "train_step":
             agent.train_steps.append({**finite(ev.data), "time": ev.created_at})
+        elif ev.kind == "rollout_load":
+            agent.rollout = dict(ev.data)
         elif ev.kind == "group_done":
             agent.resolve_group(str(ev.data.get("group_id")), "kept" if ev.data.get("kept") else "dropped")
         await self.notify()
