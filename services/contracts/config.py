@@ -82,6 +82,14 @@ class LoraConfig(Strict):
                                       min_length=1)
 
 
+class MegatronLayout(Strict):
+    """Parallel layout of the megatron backend (world size = TP x PP x DP processes under torchrun)."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    data_parallel: int = Field(1, ge=1)
+
+
 class AgentConfig(Strict):
     model_path: str
     backend: Literal["torch", "megatron"] = "torch"
@@ -95,13 +103,7 @@ class AgentConfig(Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     lora: LoraConfig | None = None
     seed: int = 0
-
-    @field_validator("backend")
-    @classmethod
-    def _backend_available(cls, v: str) -> str:
-        if v == "megatron":
-            raise ValueError("backend 'megatron' is not available yet in this build; use 'torch'")
-        return v
+    megatron: MegatronLayout = Field(default_factory=MegatronLayout)
 
     @model_validator(mode="after")
     def _lora_backend(self) -> AgentConfig:
