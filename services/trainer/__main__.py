@@ -23,10 +23,12 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
+from services.contracts.config import ConfigError
 from services.contracts.messages import Batch, Control, Event, Sample, WeightsUpdate
 from services.trainer.backends import make_policy
 
@@ -62,7 +64,14 @@ async def main_async(config: str, agent: str) -> int:
     ckpt_dir = Path(cfg.run.checkpoint_root) / cfg.run.name / agent
     state_root = ckpt_dir / "state"
     version = int(await bus.redis.get(s.published_version(agent)) or 0)
-    policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
+    try:
+        policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
+    except ConfigError as exc:  # e.g. an inconsistent megatron layout: the message names the field
+        print(f"invalid config {config}: agents.{agent}.{exc}", file=sys.stderr)
+        return 2
+    if getattr(policy, "follower", False):  # megatron under torchrun: ranks > 0 run what rank 0 runs
+        await asyncio.to_thread(policy.follow)
+        return 0
     tidy_states(state_root, version)
     if version:
         start = state_root / f"v{version:05d}"
@@ -136,6 +145,8 @@ async def main_async(config: str, agent: str) -> int:
     await run_service(f"trainer.{agent}", bus, stop,
                       bus.consume(s.batches(agent), "trainer", bus.service, Batch, on_batch, stop),
                       watch_control(bus, f"control-trainer-{agent}", stop, on_control))
+    if hasattr(policy, "close"):  # releases the megatron follower ranks
+        policy.close()
     return 0
 
 

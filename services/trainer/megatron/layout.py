@@ -25,6 +25,7 @@ def check_layout(lay: MegatronLayout, arch: Arch, world_size: int, gpus: bool) -
     if arch.num_layers % pp:
         raise ConfigError(f"megatron.pipeline_parallel: {pp} must divide the number of layers ({arch.num_layers})")
     if tp * pp * dp != world_size:
-        raise ConfigError(f"megatron: tensor_parallel x pipeline_parallel x data_parallel = {tp}x{pp}x{dp} = "
-                          f"{tp * pp * dp}, but the trainer runs {world_size} process(es) (WORLD_SIZE); "
+        raise ConfigError(f"megatron.data_parallel: tensor_parallel x pipeline_parallel x data_parallel = "
+                          f"{tp}x{pp}x{dp} = {tp * pp * dp}, but the trainer runs "
+                          f"{world_size} process(es) (WORLD_SIZE); "
                           f"start it with torchrun --nproc_per_node {tp * pp * dp} or fix data_parallel")

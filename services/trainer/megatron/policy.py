@@ -49,13 +49,17 @@ from services.trainer.torch_backend import file_checksum, pad_batch, replace_dir
 STATE_FILE = "megatron_rank{tp}_{pp}.pt"
 
 
-def _write_hf_dir(tmp: Path, tensors: dict[str, torch.Tensor], hf_config: Any, tokenizer: Any) -> None:
+def write_hf_dir(tmp: Path, tensors: dict[str, torch.Tensor], hf_config: Any, tokenizer: Any,
+                 source: Path) -> None:
+    """config.json, model.safetensors, the tokenizer, and the source's generation_config.json if it has one."""
     from safetensors.torch import save_file
 
     tmp.mkdir(parents=True)
     hf_config.save_pretrained(tmp)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
+    if (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
 
 
 class MegatronPolicy:
@@ -286,7 +290,7 @@ class MegatronPolicy:
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        _write_hf_dir(tmp, tensors, self.hf_config, self.tokenizer)
+        write_hf_dir(tmp, tensors, self.hf_config, self.tokenizer, Path(self.acfg.model_path))
         replace_dir(tmp, out_dir)
         return out_dir, file_checksum(out_dir / "model.safetensors")
 
