@@ -1,14 +1,18 @@
 """PyTorch + transformers training backend (CPU, or one GPU).
 
-Holds the policy, its AdamW optimizer and the step counter; trains one batch
-of samples with the configured algorithm and writes each new version as an
-HF-format directory (config, safetensors, tokenizer) that the engines load.
+Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
+the algorithm needs one, AdamW and the LR scheduler; trains one batch per
+``train_step`` with the configured algorithm (``services.trainer.algorithms``),
+writes each version as an HF directory the engines load (merged, under LoRA), and
+saves / restores the full training state for resume.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -17,9 +21,14 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.contracts.config import AlgorithmConfig
+from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.trainer.grpo import clipped_policy_loss, group_advantages, token_logprobs
+from services.trainer import lora
+from services.trainer.algorithms import make_algorithm, make_inputs, mean_stats
+from services.trainer.grpo import token_entropy, token_logprobs
+from services.trainer.schedule import lr_factor
+
+STATE_FILE = "trainer_state.pt"
 
 
 def file_checksum(path: Path) -> str:
@@ -48,67 +57,136 @@ def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
             "mask": mask[:, 1:], "old_logp": old[:, 1:]}
 
 
+def replace_dir(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
 class TorchPolicy:
-    def __init__(self, model_path: str, algo: AlgorithmConfig, temperature: float, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.algo = algo
-        self.temperature = temperature
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    """The torch backend; ``version`` is the weight version its weights are (0 = the start model)."""
+
+    def __init__(self, acfg: AgentConfig, temperature: float) -> None:
+        torch.manual_seed(acfg.seed)
+        random.seed(acfg.seed)
+        self.acfg, self.cfg, self.temperature = acfg, acfg.algorithm, temperature
+        self.algo = make_algorithm(self.cfg)
+        self.version = 0
+        self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
+        base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32)
+        self.reference: torch.nn.Module | None = None
+        if acfg.lora is not None:
+            self.model: torch.nn.Module = lora.add_adapters(base, acfg.lora)  # reference = adapters disabled
+        else:
+            self.model = base
+            if self.algo.needs_reference:
+                self.reference = copy.deepcopy(base).eval().requires_grad_(False)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr,
-                                           weight_decay=algo.weight_decay)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(self.cfg, s))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        return token_logprobs(out.logits[:, :-1], batch["targets"], self.temperature)
+    # -- forward passes ------------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = (model or self.model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = out.logits[:, :-1]
+        logp = token_logprobs(logits, batch["targets"], self.temperature)
+        if not entropy:
+            return logp, None
+        if self.algo.needs_entropy_grad:
+            return logp, token_entropy(logits, self.temperature)
+        with torch.no_grad():
+            return logp, token_entropy(logits.detach(), self.temperature)
 
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.forward(batch)[0]
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.reference is not None:
+            return self.forward(batch, self.reference)[0]
+        with self.model.disable_adapter():  # LoRA: the frozen base is the reference
+            return self.forward(batch)[0]
+
+    # -- one training step ---------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         start = time.perf_counter()
-        advantages = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
-                                      self.algo.normalize_std)
-        order = torch.arange(len(samples))
-        chunks = torch.chunk(order, min(self.algo.minibatches, len(samples)))
-        stats: dict[str, float] = {}
-        grad_norms = []
-        for epoch in range(self.algo.epochs):
-            for idx in chunks:
-                part = [samples[i] for i in idx.tolist()]
-                batch = pad_batch(part, self.pad_id)
-                new_logp = self.logprobs(batch)
-                loss, s = clipped_policy_loss(new_logp, batch["old_logp"], advantages[idx], batch["mask"],
-                                              self.algo.clip_eps_low, self.algo.clip_eps_high)
+        plan = self.algo.prepare(samples, self.version)
+        batches = [pad_batch([plan.samples[i] for i in mb], self.pad_id) for mb in plan.minibatches]
+        with torch.no_grad():
+            prox = [self.forward(b)[0] for b in batches] if self.algo.needs_prox(plan) else [None] * len(batches)
+        ref = ([self.reference_logprobs(b) for b in batches] if self.algo.needs_reference
+               else [None] * len(batches))
+        parts, grad_norms = [], []
+        for _ in range(self.cfg.epochs if batches else 0):
+            for k, mb in enumerate(plan.minibatches):
+                b = batches[k]
+                logp, ent = self.forward(b, entropy=True)
+                x = make_inputs(self.cfg, logp, b["old_logp"], b["mask"], plan.advantages[mb], plan.stale[mb],
+                                prox[k], ref[k], ent)
+                loss, stats = self.algo.loss(x)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.algo.max_grad_norm)))
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm)))
                 self.optimizer.step()
-                if epoch == 0 and not stats:
-                    stats = {f"first_{k}": v for k, v in s.items()}
-                stats.update(s)
-        tokens = sum(len(s.tokens) for s in samples) * self.algo.epochs
+                self.scheduler.step()
+                parts.append(stats)
+        self.version += 1
+        tokens = sum(len(s.tokens) for s in plan.samples) * self.cfg.epochs
         elapsed = time.perf_counter() - start
         rewards = torch.tensor([s.reward for s in samples])
-        return {**stats, "grad_norm": max(grad_norms), "reward_mean": float(rewards.mean()),
-                "samples": len(samples), "tokens": tokens, "train_seconds": elapsed,
-                "tokens_per_s": tokens / max(elapsed, 1e-9)}
+        out: dict[str, Any] = {**mean_stats(parts), "algorithm": self.cfg.name,
+                               "reward_mean": float(rewards.mean()), "samples": len(samples),
+                               "samples_trained": len(plan.samples), "optimizer_steps": len(parts),
+                               "lr": self.scheduler.get_last_lr()[0], "tokens": tokens,
+                               "train_seconds": elapsed, "tokens_per_s": tokens / max(elapsed, 1e-9)}
+        out.setdefault("pg_loss", 0.0)
+        out.setdefault("clip_frac", 0.0)
+        if grad_norms:
+            out.update(grad_norm=max(grad_norms), grad_norm_mean=sum(grad_norms) / len(grad_norms))
+        return out
 
-    def save_state(self, path: Path, version: int) -> Path:
-        """Optimizer, RNG and version next to the weights (full resume is the trainer issue's)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"version": version, "optimizer": self.optimizer.state_dict(),
-                    "rng": torch.get_rng_state()}, path)
-        return path
-
+    # -- weights for the engines ---------------------------------------------------------
     def save(self, out_dir: Path) -> tuple[Path, str]:
-        """Write an HF directory atomically (tmp dir + rename); return (path, checksum)."""
+        """Write an HF directory atomically (tmp dir + rename); return (path, checksum). LoRA: merged."""
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        model = lora.merged_copy(self.model) if self.acfg.lora is not None else self.model
+        model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
         return out_dir, file_checksum(out_dir / "model.safetensors")
+
+    # -- full training state for resume --------------------------------------------------
+    def save_state(self, path: Path, version: int) -> Path:
+        """Weights (adapters only under LoRA), optimizer, scheduler, RNG, version: one dir, written atomically."""
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        weights = lora.adapter_state(self.model) if self.acfg.lora is not None else self.model.state_dict()
+        torch.save({"version": version, "algorithm": self.cfg.name, "lora": self.acfg.lora is not None,
+                    "model": weights, "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate()}, tmp / STATE_FILE)
+        replace_dir(tmp, path)
+        return path
+
+    def load_state(self, path: Path) -> int:
+        state = torch.load(Path(path) / STATE_FILE, weights_only=False)
+        if state["lora"] != (self.acfg.lora is not None):
+            raise ValueError(f"trainer state {path} was written with lora={'on' if state['lora'] else 'off'}; "
+                             "the config now says otherwise")
+        if self.acfg.lora is not None:
+            lora.load_adapter_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        self.version = int(state["version"])
+        return self.version

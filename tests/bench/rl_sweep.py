@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
 
-from services.contracts.config import AlgorithmConfig  # noqa: E402
+from services.contracts.config import AgentConfig, AlgorithmConfig  # noqa: E402
 from services.contracts.messages import Sample  # noqa: E402
 from services.demo.warmstart import Episode, ModelPlayer, eval_vs_scripted, play_episodes  # noqa: E402
 from services.envs.tictactoe import TicTacToe  # noqa: E402
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     algo = AlgorithmConfig(lr=args.lr, clip_eps_low=args.clip, clip_eps_high=args.clip_high or args.clip,
                            epochs=args.epochs, minibatches=args.minibatches, max_grad_norm=args.max_grad_norm,
                            normalize_std=not args.no_std)
-    policies = {name: TorchPolicy(args.model, algo, temperature=1.0, seed=seed + i)
+    policies = {name: TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + i), temperature=1.0)
                 for i, name in enumerate(("A", "B"))}
     players = {name: ModelPlayer(name, p.model, p.tokenizer, version=0) for name, p in policies.items()}
     params = {"opening_moves": args.opening_moves} if args.opening_moves else {}
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             "step": step + 1, "seconds": round(t_step, 2), "gen_s": round(t_gen, 2),
             "A_reward_as_X": round(sum(a_x) / max(len(a_x), 1), 3), "illegal_frac": round(illegal, 3),
             **{f"{n}_{k}": round(m[k], 4) for n, m in metrics.items()
-               for k in ("reward_mean", "first_logp_abs_diff", "clip_frac", "grad_norm")}}), flush=True)
+               for k in ("reward_mean", "clip_frac", "grad_norm")}}), flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             log_eval(step + 1)
     return {"seed": seed, "history": history, "mean_step_seconds": sum(step_times) / len(step_times)}
