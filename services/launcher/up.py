@@ -66,7 +66,7 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
                 "services.engine", "--model-path", acfg.model_path, "--port", str(port),
                 "--engine-id", f"{agent}-{i}"))
             engines.setdefault(agent, []).append((f"http://127.0.0.1:{port}", child))
-    for agent in cfg.agents:
+    for agent in (a for a, c in cfg.agents.items() if c.train):  # a frozen agent: engines and rollout only
         base = ["--config", config_path, "--agent", agent]
         group.start(f"buffer.{agent}", python_module("services.buffer", *base))
         group.start(f"trainer.{agent}", python_module("services.trainer", *base))
