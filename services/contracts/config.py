@@ -80,7 +80,8 @@ class AgentConfig(Strict):
 
 class EvalConfig(Strict):
     episodes: int = Field(64, ge=0)
-    opponent: str = "random"
+    opponent: str | dict[str, str] = Field("random", description="the env's scripted player for the other "
+                                            "roles, or one per role ({role: player})")
     temperature: float = Field(1.0, ge=0)
 
 

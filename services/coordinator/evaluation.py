@@ -39,7 +39,7 @@ def outcome(rewards: dict[str, float], role: str) -> str:
 
 
 async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig, player: str,
-                          roles: list[str], opponent: str, episodes: int, base: SamplingParams,
+                          roles: list[str], opponent: str | dict[str, str], episodes: int, base: SamplingParams,
                           temperature: float, play: Play) -> dict[str, Any]:
     """Play ``episodes`` seeded episodes; return score (0-1), wins/draws/losses and per-role scores."""
     fixed = {r: p for r, p in env_cfg.roles.items() if p.startswith(SCRIPTED)}  # e.g. a rule-based judge
@@ -48,7 +48,8 @@ async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig
         seed = 7_000_000 + 1000 * i
         sampling = {player: base.model_copy(update={"temperature": temperature, "seed": seed})}
         mine = roles[i % len(roles)]
-        mapping = {r: (player if r == mine else fixed.get(r, f"{SCRIPTED}{opponent}")) for r in env_cls.roles}
+        mapping = {r: (player if r == mine else fixed.get(r, SCRIPTED + (
+            opponent.get(r, "") if isinstance(opponent, dict) else opponent))) for r in env_cls.roles}
         env = env_cls(env_cfg.params, seed)
         jobs.append((mine, play(env, f"eval-{i}", mapping, sampling, random.Random(seed))))
     results = await asyncio.gather(*(j for _, j in jobs))
