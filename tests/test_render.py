@@ -16,7 +16,8 @@ LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role']
           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 # not prefix-stable: the first line counts the messages, so every render rewrites the start
 COUNTING = ("[{{ messages | length }} messages]\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-            "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+            "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def byte_tokenizer(specials: list[str], eos: str, template: str, bos: str | None = None) -> PreTrainedTokenizerFast:
