@@ -87,6 +87,23 @@ def test_generated_ids_are_kept_even_when_they_tokenise_differently(tokenizer) -
     assert view == full[:n] + unmerged + full[n + len(merged):]
 
 
+def test_a_template_that_trims_content_stays_exact() -> None:
+    tok = byte_tokenizer(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                         "<|eot_id|>", LLAMA3, bos="<|begin_of_text|>")
+    renderer = ChatRenderer(tok)
+    view = renderer.user_turn("go")
+    out = tok.encode(" 5 \n", add_special_tokens=False) + [tok.eos_token_id]  # the template would trim it
+    renderer.assistant_turn(out)
+    view += out
+    view += renderer.user_turn("next")
+    assert renderer.exact
+    expected = full_render(tok, [{"role": "user", "content": "go"}, {"role": "assistant", "content": "5"},
+                                 {"role": "user", "content": "next"}], True)
+    five = tok.encode("5", add_special_tokens=False)
+    i = expected.index(five[0])
+    assert view == expected[:i] + out[:-1] + expected[i + len(five):]
+
+
 def test_a_template_that_is_not_prefix_stable_falls_back_per_turn(caplog) -> None:
     tok = byte_tokenizer(["<|im_start|>", "<|im_end|>"], "<|im_end|>", COUNTING)
     renderer = ChatRenderer(tok)

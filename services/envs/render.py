@@ -3,9 +3,12 @@
 A view grows turn by turn and is never re-encoded: the agent's generated ids
 stay exactly as the engine returned them. Before each new user message the
 renderer works out, from the chat template itself, the text that template puts
-*between* the previous generation prompt and the new one: the rest of the
-assistant turn (its end-of-turn marker, unless the engine already produced
-it) and the new user message with the generation prompt. Only that delta is
+*between* the previous generation prompt and the new one: the end of the
+assistant turn (what the template writes after an assistant message's
+content, found by rendering an empty one; skipped when the engine already
+produced the end-of-turn token) and the new user message with the
+generation prompt. Templates that trim or reformat the content still work:
+the content itself is never taken from the template. Only that delta is
 tokenised and appended. This is exact for any template that renders a
 conversation as a prefix of its continuation (ChatML, Llama-3, the demo
 template, ...). A template that is not prefix-stable (one that rewrites
@@ -55,10 +58,12 @@ class ChatRenderer:
         before = self.prompt
         if self.last_reply is not None:
             reply, ended = self.last_reply
+            empty = _render_str(self.tok, tuple(self.messages) + (("assistant", ""),), False)
             self.messages.append(("assistant", reply))
             done = _render_str(self.tok, tuple(self.messages), False)
-            if self.exact and done.startswith(before + reply):
-                closer = list(_encode(self.tok, done[len(before) + len(reply):]))
+            end = empty[len(before):]  # what the template writes after an assistant message's content
+            if self.exact and done.startswith(before) and empty.startswith(before) and done.endswith(end):
+                closer = list(_encode(self.tok, end))
                 eos = self.tok.eos_token_id
                 if ended and closer and closer[0] == eos:
                     closer = closer[1:]
