@@ -116,6 +116,7 @@ class AgentConfig(Strict):
     lora: LoraConfig | None = None
     seed: int = 0
     megatron: MegatronLayout = Field(default_factory=MegatronLayout)
+    train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
 
     @model_validator(mode="after")
     def _ports_fit(self) -> AgentConfig:
@@ -133,7 +134,8 @@ class AgentConfig(Strict):
 
 class EvalConfig(Strict):
     episodes: int = Field(64, ge=0)
-    opponent: str = "random"
+    opponent: str | dict[str, str] = Field("random", description="the env's scripted player for the other "
+                                            "roles, or one per role ({role: player})")
     temperature: float = Field(1.0, ge=0)
 
 
@@ -141,8 +143,11 @@ class EnvironmentConfig(Strict):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
     group_size: int = Field(8, ge=1)
-    roles: dict[str, str] = Field(description="environment role -> agent name")
+    roles: dict[str, str] = Field(description="environment role -> player: an agent name, "
+                                  "'scripted:<player>' (the env's scripted player) or 'pool:<agent>' "
+                                  "(a past weight version of that agent, played in the coordinator)")
     alternate_roles: bool = Field(False, description="rotate the role->agent map every group")
+    pool_size: int = Field(4, ge=1, description="'pool:<agent>' draws from that agent's last pool_size versions")
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @field_validator("name")
@@ -185,10 +190,23 @@ class TandemConfig(Strict):
 
     @model_validator(mode="after")
     def _roles_name_agents(self) -> TandemConfig:
-        for role, agent in self.environment.roles.items():
-            if agent not in self.agents:
-                raise ValueError(f"environment.roles.{role} names agent {agent!r}, "
+        for role, player in self.environment.roles.items():
+            kind, _, rest = player.partition(":") if ":" in player else ("agent", "", player)
+            if kind not in ("agent", "scripted", "pool") or not rest:
+                raise ValueError(f"environment.roles.{role}: {player!r} is not an agent name, "
+                                 "'scripted:<player>' or 'pool:<agent>'")
+            if kind != "scripted" and rest not in self.agents:
+                raise ValueError(f"environment.roles.{role} names agent {rest!r}, "
                                  f"which is not under agents ({', '.join(self.agents)})")
+        if not any(a.train for a in self.agents.values()):
+            raise ValueError("agents: every agent has train: false; at least one must train")
+        trained_in_roles = [p for p in self.environment.roles.values() if p in self.agents and self.agents[p].train]
+        if not trained_in_roles:
+            raise ValueError("environment.roles: no role is played by an agent that trains")
+        idle = [n for n, a in self.agents.items() if a.train and n not in self.environment.roles.values()]
+        if idle:
+            raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment.roles "
+                             "(set train: false or give it a role)")
         return self
 
     def run_dir(self) -> Path:

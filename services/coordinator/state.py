@@ -88,7 +88,7 @@ class RunState:
     def from_config(cls, cfg: TandemConfig) -> RunState:
         agents = {
             name: AgentState(name, a.groups_per_batch, a.max_staleness, cfg.run.total_steps)
-            for name, a in cfg.agents.items()
+            for name, a in cfg.agents.items() if a.train  # a frozen agent has no state to track
         }
         return cls(cfg=cfg, agents=agents)
 

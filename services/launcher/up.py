@@ -55,11 +55,12 @@ def summary_table(summary: dict) -> Table:
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
     """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
     and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``)."""
-    for agent in cfg.agents:
+    for agent, acfg in cfg.agents.items():
         base = ["--config", config_path, "--agent", agent]
         group.start(f"rollout.{agent}", python_module("services.rollout", *base))
-        group.start(f"buffer.{agent}", python_module("services.buffer", *base))
-        group.start(f"trainer.{agent}", python_module("services.trainer", *base))
+        if acfg.train:  # a frozen agent has its rollout (router and engines) only
+            group.start(f"buffer.{agent}", python_module("services.buffer", *base))
+            group.start(f"trainer.{agent}", python_module("services.trainer", *base))
     coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
                                                      "--port", str(api_port)))
     api = f"http://{cfg.api.host}:{api_port}"
