@@ -29,7 +29,6 @@ from typing import Any
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.config import ConfigError
 from services.contracts.messages import Batch, Control, Event, Sample, WeightsUpdate
 from services.trainer.backends import make_policy
 
