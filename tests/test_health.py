@@ -171,3 +171,21 @@ async def test_run_service_reports_what_ready_says(redis_url):
         assert (await client.get("/health")).status_code == 200
     stop.set()
     await asyncio.wait_for(runner, 5)
+
+
+async def test_under_torchrun_only_local_rank_0_serves_health(redis_url, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second process on this node: the port belongs to rank 0
+    bus = Bus(redis_url, "health", "svc")
+    stop = asyncio.Event()
+    port = free_port()
+
+    async def idle() -> None:
+        await stop.wait()
+
+    runner = asyncio.create_task(service.run_service("svc.C", bus, stop, idle(), health_port=port))
+    await asyncio.sleep(0.3)
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{port}/health")
+    stop.set()
+    await asyncio.wait_for(runner, 5)
