@@ -356,3 +356,19 @@ def test_build_context_keeps_what_the_dockerfiles_copy():
                 assert (REPO / src).exists(), f"COPY {src}: no such file"
                 assert not any(fnmatch.fnmatch(src, pat) or src.startswith(pat + "/") for pat in ignored), src
     assert {".venv", "models", "checkpoints", "runs", ".git"} <= set(ignored)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_health_condition_has_a_health_check(profile):
+    services = compose(profile)[1]["services"]
+    files = _dockerfiles()
+    for name, svc in services.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            if cond["condition"] != "service_healthy":
+                continue
+            target = services[dep]
+            own = target.get("healthcheck")
+            if own and not own.get("disable"):
+                continue
+            assert "HEALTHCHECK" in files.get(target["image"].split(":")[0], ""), f"{name} waits on {dep}: no check"
+            assert int(target["environment"].get("TANDEM_HEALTH_PORT", 0)) > 0, f"{dep}: its HEALTHCHECK has no port"
