@@ -15,6 +15,6 @@ RUN sh install-tandem.sh && python -c "import sglang" \
     && mkdir -p /models /checkpoints /runs && chown tandem /models /checkpoints /runs
 USER tandem
 EXPOSE 8080
-# SGLang loads the model and captures CUDA graphs before the rollout serves /health
+# SGLang servers load the model and capture CUDA graphs: a long start period
 HEALTHCHECK --interval=20s --timeout=5s --start-period=900s --retries=5 CMD ["python", "-m", "services.common.health"]
 CMD ["python", "-m", "services.rollout", "--help"]

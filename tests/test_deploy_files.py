@@ -265,17 +265,31 @@ def test_torchrun_rendezvous_is_the_trainers_own_headless_service():
 
 
 @pytest.mark.parametrize("kind,name", topologies())
-def test_other_commands_exist(kind, name):
-    """Helper containers: the ``tandem`` CLI subcommands they call exist."""
+def test_helper_commands_exist_and_make_the_model_the_services_read(kind, name):
+    """``tandem`` CLI calls name real subcommands; ``init-demo`` writes the model_path every service reads,
+    and the pods that wait for it wait for the marker the Job writes."""
     from services.launcher import cli
 
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli.main(["--help"])
+    made = set()
     for c in containers(kind, name):
-        words = c.argv if c.argv[:1] == ["tandem"] else []
-        if words:
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-                cli.main(["--help"])
-            assert words[1] in out.getvalue(), f"{c.where}: tandem has no subcommand {words[1]}"
+        if c.argv[:1] == ["tandem"]:
+            assert c.argv[1] in out.getvalue(), f"{c.where}: tandem has no subcommand {c.argv[1]}"
+            if c.argv[1] == "init-demo":
+                made.add(c.argv[2])
+                assert mounts(c).get(str(Path(c.argv[2]).parent)) is True, f"{c.where}: cannot write {c.argv[2]}"
+    if not made:
+        return
+    read = {m.agents[a].model_path for c in containers(kind, name) if c.module and c.module != "services.buffer"
+            for m in [_config_of(c, kind, name)[1]] for a in m.agents}
+    assert read == made, f"services read {read}, init-demo makes {made}"
+    for c in containers(kind, name):
+        if c.extra.get("init"):
+            assert any(f"{d}/.ready" in " ".join(c.command) for d in made), f"{c.where} waits for something else"
+        elif c.argv[:2] == ["tandem", "init-demo"] and kind == "k8s":
+            assert f"touch {c.argv[2]}/.ready" in " ".join(c.command)
 
 
 # ---- images -------------------------------------------------------------------------------------------------------
@@ -342,3 +356,19 @@ def test_build_context_keeps_what_the_dockerfiles_copy():
                 assert (REPO / src).exists(), f"COPY {src}: no such file"
                 assert not any(fnmatch.fnmatch(src, pat) or src.startswith(pat + "/") for pat in ignored), src
     assert {".venv", "models", "checkpoints", "runs", ".git"} <= set(ignored)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_health_condition_has_a_health_check(profile):
+    services = compose(profile)[1]["services"]
+    files = _dockerfiles()
+    for name, svc in services.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            if cond["condition"] != "service_healthy":
+                continue
+            target = services[dep]
+            own = target.get("healthcheck")
+            if own and not own.get("disable"):
+                continue
+            assert "HEALTHCHECK" in files.get(target["image"].split(":")[0], ""), f"{name} waits on {dep}: no check"
+            assert int(target["environment"].get("TANDEM_HEALTH_PORT", 0)) > 0, f"{dep}: its HEALTHCHECK has no port"

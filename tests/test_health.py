@@ -145,3 +145,47 @@ def test_launcher_children_do_not_inherit_a_health_port(monkeypatch):
 
     monkeypatch.setenv("TANDEM_HEALTH_PORT", "8080")  # e.g. `tandem up` inside the image: one port, many services
     assert "TANDEM_HEALTH_PORT" not in child_env({})
+
+
+async def test_run_service_reports_what_ready_says(redis_url):
+    bus = Bus(redis_url, "health", "svc")
+    stop = asyncio.Event()
+    state = {"ok": False}
+    port = free_port()
+
+    async def idle() -> None:
+        await stop.wait()
+
+    runner = asyncio.create_task(service.run_service(
+        "svc.B", bus, stop, idle(), health_port=port,
+        ready=lambda: (True, "") if state["ok"] else (False, "engines starting")))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        for _ in range(100):
+            try:
+                resp = await client.get("/health")
+                break
+            except httpx.ConnectError:
+                await asyncio.sleep(0.05)
+        assert resp.status_code == 503 and resp.json()["reason"] == "engines starting"
+        state["ok"] = True
+        assert (await client.get("/health")).status_code == 200
+    stop.set()
+    await asyncio.wait_for(runner, 5)
+
+
+async def test_under_torchrun_only_local_rank_0_serves_health(redis_url, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second process on this node: the port belongs to rank 0
+    bus = Bus(redis_url, "health", "svc")
+    stop = asyncio.Event()
+    port = free_port()
+
+    async def idle() -> None:
+        await stop.wait()
+
+    runner = asyncio.create_task(service.run_service("svc.C", bus, stop, idle(), health_port=port))
+    await asyncio.sleep(0.3)
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{port}/health")
+    stop.set()
+    await asyncio.wait_for(runner, 5)

@@ -94,11 +94,12 @@ async def watch_control(bus: Bus, group: str, stop: asyncio.Event,
 
 
 async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitable[None],
-                      health_port: int | None = None) -> None:
+                      health_port: int | None = None, ready: Callable[[], tuple[bool, str]] | None = None) -> None:
     """Run the loops until ``stop`` is set, then cancel what is left and close the bus.
 
     ``health_port`` (default: what ``parse_args`` read; 0 = off) serves ``GET /health``:
-    200 while every loop runs, 503 from the moment the service stops."""
+    200 while every loop runs (and ``ready()``, if given, says ``(True, "")``; e.g. a
+    rollout whose engines are up), 503 with the reason otherwise and once the service stops."""
     log = logging.getLogger(f"tandem.{name}")
     tasks: list[asyncio.Future] = []
 
@@ -106,7 +107,9 @@ async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitabl
         if stop.is_set():
             return False, "stopping"
         ended = sum(t.done() for t in tasks)
-        return (False, f"{ended} of {len(tasks)} loops ended") if ended else (True, "")
+        if ended:
+            return False, f"{ended} of {len(tasks)} loops ended"
+        return ready() if ready is not None else (True, "")
 
     port = _health_port if health_port is None else health_port
     if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun one process per pod serves it
