@@ -2,7 +2,8 @@
 # Runs `python -m services.trainer` (one GPU), or under `torchrun` across GPUs and nodes.
 FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 
-ARG MEGATRON_CORE_VERSION=0.19.2
+# The megatron-core the backend is written and tested against (constraints.txt pins the same).
+ARG MEGATRON_CORE_VERSION=0.16.1
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false TANDEM_HEALTH_PORT=8080
 

@@ -315,8 +315,9 @@ def test_images_are_pinned_non_root_with_a_healthcheck():
         assert 'CMD ["python", "-m", "services.common.health"]' in text and "TANDEM_HEALTH_PORT=8080" in text
         assert "sh install-tandem.sh" in text
     assert re.search(r"^FROM lmsysorg/sglang:", files["tandem-rollout"], re.M)
-    assert re.search(r"^FROM pytorch/pytorch:", files["tandem-trainer"], re.M) and "megatron-core==" in files[
-        "tandem-trainer"]
+    assert re.search(r"^FROM pytorch/pytorch:", files["tandem-trainer"], re.M)
+    pinned = re.search(r"^megatron-core==(\S+)", (Path(__file__).resolve().parents[1] / "constraints.txt").read_text(), re.M).group(1)
+    assert f"MEGATRON_CORE_VERSION={pinned}" in files["tandem-trainer"], "trainer image: megatron-core != the pin"
     assert importlib.util.find_spec("services.common.health")
 
 
