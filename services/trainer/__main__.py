@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,12 @@ async def main_async(config: str, agent: str) -> int:
     version = int(await bus.redis.get(s.published_version(agent)) or 0)
     try:
         policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
-    except ValueError as exc:  # a bad algorithm plug-in, LoRA target ...: say which field, stop
-        log.error("agents.%s.%s", agent, exc)
+    except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: name the field, stop
+        print(f"invalid config {config}: agents.{agent}.{exc}", file=sys.stderr)
         return 2
+    if getattr(policy, "follower", False):  # megatron under torchrun: ranks > 0 run what rank 0 runs
+        await asyncio.to_thread(policy.follow)
+        return 0
     tidy_states(state_root, version)
     if version:
         start = state_root / f"v{version:05d}"
@@ -144,6 +148,8 @@ async def main_async(config: str, agent: str) -> int:
     await run_service(f"trainer.{agent}", bus, stop,
                       bus.consume(s.batches(agent), "trainer", bus.service, Batch, on_batch, stop),
                       watch_control(bus, f"control-trainer-{agent}", stop, on_control))
+    if hasattr(policy, "close"):  # releases the megatron follower ranks
+        policy.close()
     return 0
 
 
