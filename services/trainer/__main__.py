@@ -93,7 +93,6 @@ async def main_async(config: str, agent: str) -> int:
             await bus.publish(s.events, Event(source=bus.service, kind="train_step", agent=agent, data=rec["metrics"]))
 
     async def on_batch(batch: Batch) -> None:
-        nonlocal version
         wrong = [x.agent for x in batch.samples if x.agent != agent] + ([batch.agent] if batch.agent != agent else [])
         if wrong:
             raise ValueError(f"batch for agent {batch.agent!r} holds samples of {sorted(set(wrong))}; "
