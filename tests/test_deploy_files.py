@@ -316,7 +316,8 @@ def test_images_are_pinned_non_root_with_a_healthcheck():
         assert "sh install-tandem.sh" in text
     assert re.search(r"^FROM lmsysorg/sglang:", files["tandem-rollout"], re.M)
     assert re.search(r"^FROM pytorch/pytorch:", files["tandem-trainer"], re.M)
-    pinned = re.search(r"^megatron-core==(\S+)", (Path(__file__).resolve().parents[1] / "constraints.txt").read_text(), re.M).group(1)
+    pins = (Path(__file__).resolve().parents[1] / "constraints.txt").read_text()
+    pinned = re.search(r"^megatron-core==(\S+)", pins, re.M).group(1)
     assert f"MEGATRON_CORE_VERSION={pinned}" in files["tandem-trainer"], "trainer image: megatron-core != the pin"
     assert importlib.util.find_spec("services.common.health")
 

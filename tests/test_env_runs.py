@@ -23,7 +23,14 @@ import yaml
 from services.common.embedded_redis import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+
+
+def _runs_on_cpu(path: Path) -> bool:
+    """Configs for SGLang engines (configs/gpu.yaml) need GPUs; the deployment tests check those."""
+    return all(a.get("engine", "embedded") == "embedded" for a in yaml.safe_load(path.read_text())["agents"].values())
+
+
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if _runs_on_cpu(p))
 
 
 def tandem_up(config: Path, tmp: Path, model: Path, extra: dict[str, str] | None = None,
