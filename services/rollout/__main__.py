@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from services.common.bus import Bus, RetryLater
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
@@ -37,7 +38,12 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
     s = bus.streams
     fleet = None if router_url else EngineFleet(agent, acfg)
     if fleet is not None:
-        await fleet.start()
+        try:
+            await fleet.start()
+            await resume_weights(bus, agent, fleet, log)
+        except BaseException:
+            await fleet.close()
+            raise
         router_url = fleet.router_url
     assert router_url is not None
     client = EngineClient(router_url, timeout=120.0)
@@ -114,6 +120,21 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
         if fleet is not None:
             await fleet.close()
     return 0
+
+
+async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet, log: logging.Logger) -> None:
+    """A restarted rollout puts its fresh engines on the version the agent had loaded before."""
+    raw = await bus.redis.get(bus.streams.loaded_version(agent))
+    if raw is None:
+        return
+    version = int(raw)
+    found = [w for w in await bus.read_all(bus.streams.weights(agent), WeightsUpdate) if w.version == version]
+    if not found:
+        log.warning("version %d was loaded before, but its weights message is gone: engines start on "
+                    "the base model until the next version", version)
+        return
+    await fleet.load_weights(found[-1].path, version)
+    log.info("resumed on version %d", version)
 
 
 def main() -> None:
