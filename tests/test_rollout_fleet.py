@@ -207,9 +207,8 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         await watcher
         bus = Bus(redis_url, "hung", "test")
         try:
-            await bus.publish(bus.streams.weights("A"), WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir),
-                                                                     checksum="x"))
-            await bus.redis.set(bus.streams.loaded_version("A"), 2)
+            w = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
+            await bus.redis.set(bus.streams.loaded_weights("A"), w.model_dump_json())
             await resume_weights(bus, "A", fleet, logging.getLogger("test"))
         finally:
             await bus.close()

@@ -89,7 +89,10 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
             await asyncio.gather(*(client.update_weights(url, w.path, w.version) for url in engines))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.version} on")
-        await bus.redis.set(s.loaded_version(agent), w.version)
+        async with bus.redis.pipeline(transaction=True) as pipe:
+            pipe.set(s.loaded_version(agent), w.version)
+            pipe.set(s.loaded_weights(agent), w.model_dump_json())
+            await pipe.execute()
         await bus.publish(s.events, Event(source=bus.service, kind="weights_loaded", agent=agent,
                                           data={"version": w.version, "engines": engines, "path": w.path}))
         log.info("version %d loaded on %d engine(s)", w.version, len(engines))
@@ -124,17 +127,16 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
 
 async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet, log: logging.Logger) -> None:
     """A restarted rollout puts its fresh engines on the version the agent had loaded before."""
-    raw = await bus.redis.get(bus.streams.loaded_version(agent))
+    raw = await bus.redis.get(bus.streams.loaded_weights(agent))
     if raw is None:
         return
-    version = int(raw)
-    found = [w for w in await bus.read_all(bus.streams.weights(agent), WeightsUpdate) if w.version == version]
-    if not found:
-        log.warning("version %d was loaded before, but its weights message is gone: engines start on "
-                    "the base model until the next version", version)
+    try:
+        w = WeightsUpdate.model_validate_json(raw)
+    except ValueError as exc:
+        log.warning("cannot resume the loaded weights (%s): engines start on the base model", exc)
         return
-    await fleet.load_weights(found[-1].path, version)
-    log.info("resumed on version %d", version)
+    await fleet.load_weights(w.path, w.version)
+    log.info("resumed on version %d", w.version)
 
 
 def main() -> None:
