@@ -218,3 +218,19 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
     finally:
         stop.set()
         await fleet.close()
+
+
+async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str) -> None:
+    from services.coordinator.scheduler import Coordinator
+
+    cfg = parse_config({"run": {"name": "st"}, "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    bus = Bus(redis_url, "st", "test")
+    try:
+        coord = Coordinator(cfg, bus)
+        data = {"queue_depth": 3, "inflight": 2, "capacity": 64, "waiting": 0, "router": "http://r",
+                "engines": [{"url": "http://e0", "healthy": True, "restarts": 1, "num_reqs": 2}]}
+        await coord.on_event(Event(source="rollout-A", kind="rollout_load", agent="A", data=data))
+        assert coord.state.status()["agents"]["A"]["rollout"] == data
+    finally:
+        await bus.close()
