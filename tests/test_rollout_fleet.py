@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -22,9 +23,13 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from services.common.bus import Bus
+from services.common.sglang_router import list_workers
 from services.contracts.config import AgentConfig, ConfigError, parse_config
 from services.contracts.messages import Event, GenerateReply, GenerateRequest, SamplingParams, WeightsUpdate
+from services.rollout.__main__ import resume_weights
 from services.rollout.commands import engine_command
+from services.rollout.engine_client import EngineClient
+from services.rollout.fleet import EngineFleet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,5 +176,61 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
         await collect(third, 60)
         assert {replies[r].engine for r in third} == {"A-0", "A-1"}  # traffic reaches it again
         assert (await load())["capacity"] == 8
+    finally:
+        await bus.close()
+
+
+@pytest.mark.slow
+async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) -> None:
+    """SIGSTOP an engine: /health_generate stops answering, the fleet deregisters, kills and restarts it.
+    Then a (re)started rollout puts the fleet on the version the agent had loaded (``resume_weights``)."""
+    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=1), interval=0.5,
+                        health_timeout=1.0, max_failures=2)
+    stop = asyncio.Event()
+    try:
+        await fleet.start()
+        watcher = asyncio.create_task(fleet.supervise(stop))
+        engine = fleet.engines[0]
+        assert await list_workers(fleet.router_url) == [engine.url]
+        old = engine.proc.pid if engine.proc else 0
+        os.kill(old, signal.SIGSTOP)
+        for _ in range(600):
+            if engine.restarts == 1 and engine.registered:
+                break
+            await asyncio.sleep(0.1)
+        assert engine.restarts == 1 and engine.registered and engine.proc and engine.proc.pid != old
+        assert await list_workers(fleet.router_url, healthy_only=True) == [engine.url]
+        async with EngineClient(fleet.router_url, timeout=30) as client:
+            res = await client.generate([5, 6], {"max_new_tokens": 3}, rid="after-hang")
+        assert len(res.output_ids) == 3 or res.finish_reason == "stop"
+        stop.set()
+        await watcher
+        bus = Bus(redis_url, "hung", "test")
+        try:
+            w = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
+            await bus.redis.set(bus.streams.loaded_weights("A"), w.model_dump_json())
+            await resume_weights(bus, "A", fleet, logging.getLogger("test"))
+        finally:
+            await bus.close()
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{engine.url}/get_model_info")).json()["weight_version"] == "2"
+        assert fleet.latest == (str(tiny_model_dir), 2)
+    finally:
+        stop.set()
+        await fleet.close()
+
+
+async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str) -> None:
+    from services.coordinator.scheduler import Coordinator
+
+    cfg = parse_config({"run": {"name": "st"}, "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    bus = Bus(redis_url, "st", "test")
+    try:
+        coord = Coordinator(cfg, bus)
+        data = {"queue_depth": 3, "inflight": 2, "capacity": 64, "waiting": 0, "router": "http://r",
+                "engines": [{"url": "http://e0", "healthy": True, "restarts": 1, "num_reqs": 2}]}
+        await coord.on_event(Event(source="rollout-A", kind="rollout_load", agent="A", data=data))
+        assert coord.state.status()["agents"]["A"]["rollout"] == data
     finally:
         await bus.close()

@@ -47,6 +47,10 @@ class Streams:
     def loaded_version(self, agent: str) -> str:
         return self.key(f"state:{agent}:loaded_version")
 
+    def loaded_weights(self, agent: str) -> str:
+        """The WeightsUpdate (JSON) last loaded on the agent's engines (the rollout resumes from it)."""
+        return self.key(f"state:{agent}:loaded_weights")
+
     def published_version(self, agent: str) -> str:
         return self.key(f"state:{agent}:published_version")
 

@@ -167,6 +167,9 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
                 [lp, t, engine.tokenizer.decode([t]) if with_text else None]
                 for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
         text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        matched = (req.finish or {}).get("matched")
+        if isinstance(matched, str) and matched in text:  # as SGLang (no_stop_trim false): text ends before it
+            text = text[:text.index(matched)]
         out = GenerateReqOutput.model_validate({"text": text, "output_ids": req.output_ids, "meta_info": meta})
         body = out.model_dump(mode="json", exclude_none=True)
         body["meta_info"]["finish_reason"] = req.finish  # SGLang's to_json(): every key, None included

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from services.common.bus import Bus, RetryLater
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
@@ -37,7 +38,12 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
     s = bus.streams
     fleet = None if router_url else EngineFleet(agent, acfg)
     if fleet is not None:
-        await fleet.start()
+        try:
+            await fleet.start()
+            await resume_weights(bus, agent, fleet, log)
+        except BaseException:
+            await fleet.close()
+            raise
         router_url = fleet.router_url
     assert router_url is not None
     client = EngineClient(router_url, timeout=120.0)
@@ -83,7 +89,10 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
             await asyncio.gather(*(client.update_weights(url, w.path, w.version) for url in engines))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.version} on")
-        await bus.redis.set(s.loaded_version(agent), w.version)
+        async with bus.redis.pipeline(transaction=True) as pipe:
+            pipe.set(s.loaded_version(agent), w.version)
+            pipe.set(s.loaded_weights(agent), w.model_dump_json())
+            await pipe.execute()
         await bus.publish(s.events, Event(source=bus.service, kind="weights_loaded", agent=agent,
                                           data={"version": w.version, "engines": engines, "path": w.path}))
         log.info("version %d loaded on %d engine(s)", w.version, len(engines))
@@ -114,6 +123,20 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
         if fleet is not None:
             await fleet.close()
     return 0
+
+
+async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet, log: logging.Logger) -> None:
+    """A restarted rollout puts its fresh engines on the version the agent had loaded before."""
+    raw = await bus.redis.get(bus.streams.loaded_weights(agent))
+    if raw is None:
+        return
+    try:
+        w = WeightsUpdate.model_validate_json(raw)
+    except ValueError as exc:
+        log.warning("cannot resume the loaded weights (%s): engines start on the base model", exc)
+        return
+    await fleet.load_weights(w.path, w.version)
+    log.info("resumed on version %d", w.version)
 
 
 def main() -> None:
