@@ -53,7 +53,8 @@ def run(tmp_path_factory, warm_model_dir):
     port = free_port()
     cfg = {
         "run": {"name": "e2e", "total_steps": TOTAL_STEPS, "concurrent_episodes": 16,
-                "checkpoint_root": str(d / "ckpt"), "output_dir": str(d / "runs")},
+                "checkpoint_root": str(d / "ckpt"), "output_dir": str(d / "runs"),
+                "trim_interval_s": 0},  # keep every stream entry: the checks below read them all
         "api": {"port": port},
         "environment": {"name": "tictactoe", "group_size": 4, "roles": {"X": "A", "O": "B"},
                         "alternate_roles": True, "eval": {"episodes": 8}},

@@ -165,6 +165,8 @@ class RunConfig(Strict):
     concurrent_episodes: int = Field(16, ge=1)
     checkpoint_root: str = "checkpoints"
     output_dir: str = "runs"
+    trim_interval_s: float = Field(30.0, ge=0, description="trim acknowledged stream entries every N seconds; "
+                                   "0 keeps every entry (audits, tests)")
 
 
 class ApiConfig(Strict):

@@ -36,11 +36,13 @@ async def main_async(config: str, port: int | None) -> int:
             await coord.control(cmd.command, publish=False)
 
     async def housekeeping() -> None:
-        """Trim what every consumer group has acknowledged, every 30 s."""
+        """Trim what every consumer group has acknowledged, every ``run.trim_interval_s`` (0: never)."""
         streams = [s.events, s.control, s.replies(coord.name)] + [
             f(a) for a in cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
+        if cfg.run.trim_interval_s == 0:
+            return await stop.wait()
         while not stop.is_set():
-            await asyncio.sleep(30)
+            await asyncio.sleep(cfg.run.trim_interval_s)
             for name in streams:
                 await bus.trim_acknowledged(name)
 
