@@ -303,3 +303,13 @@ def test_eval_opponent_per_role_and_scripted_roles_are_checked() -> None:
                               eval={"opponent": "evidence"})
     with pytest.raises(ValueError, match="environment.roles.judge: scripted player 'oracle'"):
         check_environment_config(judge)
+    wrong_role = judge.model_copy(update={"roles": {"pro": "A", "con": "B", "judge": "scripted:evidence"}})
+    with pytest.raises(ValueError, match="environment.roles.judge: scripted player 'evidence' cannot play 'judge'"):
+        check_environment_config(wrong_role)
+    asker = EnvironmentConfig(name="twenty_questions", roles={"asker": "A", "answerer": "B"},
+                              eval={"opponent": "truthful"})
+    with pytest.raises(ValueError, match="environment.eval.opponent: scripted player 'truthful' cannot play 'asker'"):
+        check_environment_config(asker)
+    missing = ok.model_copy(update={"eval": ok.eval.model_copy(update={"opponent": {"doctor": "systematic"}})})
+    with pytest.raises(ValueError, match=r"no scripted player for role\(s\) \['patient'\]"):
+        check_environment_config(missing)

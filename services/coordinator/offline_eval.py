@@ -26,7 +26,7 @@ from services.coordinator.episode import play_episode
 from services.coordinator.evaluation import eval_roles, evaluate_player
 from services.coordinator.local_policy import POLICY, LocalPolicies
 from services.envs.base import Environment
-from services.envs.registry import check_environment_config
+from services.envs.registry import check_environment_config, check_scripted
 
 
 def assign_checkpoints(cfg: TandemConfig, values: list[str]) -> dict[str, str]:
@@ -91,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         env_cls = check_environment_config(cfg.environment)
         checkpoints = assign_checkpoints(cfg, args.checkpoint)
         opponents: list[str | dict[str, str]] = list(args.opponent) or [cfg.environment.eval.opponent]
-        bad = [o for o in args.opponent if o not in env_cls.scripted_players]
-        if bad:
-            raise ConfigError(f"--opponent {bad[0]}: not one of {list(env_cls.scripted_players)}")
+        for o in args.opponent:
+            for role in env_cls.roles:
+                if not cfg.environment.roles[role].startswith("scripted:"):
+                    check_scripted(env_cls, role, o, f"--opponent {o}")
         episodes = cfg.environment.eval.episodes if args.episodes is None else args.episodes
         if episodes < 1:
             raise ConfigError("--episodes: must be at least 1 (or set environment.eval.episodes)")
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     for agent, r in report["agents"].items():
         for opponent, s in r["vs"].items():
             roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
-            print(f"{agent} vs {opponent}: score {s['score']:.3f}  wins {s['wins']} draws {s['draws']} "
+            score = "-" if s["score"] is None else f"{s['score']:.3f}"
+            print(f"{agent} vs {opponent}: score {score}  wins {s['wins']} draws {s['draws']} "
                   f"losses {s['losses']}  ({roles}; {s['episodes']} episodes, {r['checkpoint']})")
     out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)

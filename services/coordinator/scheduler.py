@@ -226,14 +226,14 @@ class Coordinator:
                                      ev.opponent, ev.episodes, self.cfg.agents[agent].sampling, ev.temperature,
                                      play)
 
-    async def evaluate_all(self, label: str) -> dict[str, float]:
+    async def evaluate_all(self, label: str) -> dict[str, float | None]:
         names = list(self.state.agents)
         reports = await asyncio.gather(*(self.evaluate(a) for a in names))
         out = {a: r["score"] for a, r in zip(names, reports, strict=True)}
         self.evals.append({"label": label, "time": time.time(), "scores": out,
                            "details": dict(zip(names, reports, strict=True)),
                            "versions": {a: self.state.agents[a].loaded_version for a in names}})
-        log.info("eval %s: %s", label, {a: f"{r['score']:.3f} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
+        log.info("eval %s: %s", label, {a: f"{r['score']} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
                                         for a, r in zip(names, reports, strict=True)})
         return out
 

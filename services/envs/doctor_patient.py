@@ -76,6 +76,9 @@ class DoctorPatient(Environment):
     description: ClassVar[str] = ("Doctor asks, patient answers from a synthetic case; doctor rewarded for a right "
                                   "diagnosis in few turns, patient for consistent, complete, non-leaking answers.")
     scripted_players: ClassVar[tuple[str, ...]] = ("systematic", "random", "faithful", "leaky", "liar")
+    scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
+        "systematic": ("doctor",), "random": ("doctor",), "faithful": ("patient",), "leaky": ("patient",),
+        "liar": ("patient",)}
 
     def __init__(self, params: dict[str, Any], seed: int) -> None:
         super().__init__(params, seed)
