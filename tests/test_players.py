@@ -154,3 +154,21 @@ def test_tandem_envs_lists_every_builtin() -> None:
                  "textarena"):
         assert name in proc.stdout
         assert ", ".join(load_environment(name).roles) in proc.stdout
+
+
+def test_an_agent_that_never_gets_a_turn_stops_the_run(redis_url: str, tiny_model_dir: Path) -> None:
+    from services.coordinator import scheduler
+
+    m = str(tiny_model_dir)
+    cfg = parse_config({**config({"X": "A", "O": "B"}, {"A": {"model_path": m}, "B": {"model_path": m}}),
+                        "redis_url": redis_url})
+    coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
+    for _ in range(scheduler.MAX_EMPTY_GROUPS - 1):
+        coord.check_starved({"A", "B"}, {"A"})
+    assert not coord.state.stop_requested
+    coord.check_starved({"A", "B"}, {"A", "B"})  # B had a turn: the streak restarts
+    for _ in range(scheduler.MAX_EMPTY_GROUPS):
+        coord.check_starved({"A", "B"}, {"A"})
+    assert coord.state.stop_requested and "agent B had no turn in 50 groups" in coord.state.error
+    assert coord.state.status()["error"] == coord.state.error
+    asyncio.run(coord.bus.close())

@@ -34,6 +34,7 @@ def finite(data: dict[str, Any]) -> dict[str, Any]:
     """Metrics with NaN/inf replaced by None (JSON cannot carry them)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 TURN_TIMEOUT_S = 300.0
+MAX_EMPTY_GROUPS = 50
 EPISODE_CACHE = 2000
 
 
@@ -56,6 +57,7 @@ class Coordinator:
         self.evals: list[dict[str, Any]] = []
         self.group_tasks: set[asyncio.Task[None]] = set()
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
+        self.empty_streak: dict[str, int] = {}
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -192,7 +194,21 @@ class Coordinator:
         finally:  # an agent with nothing in this group gets no verdict from its buffer
             for agent in agents - emitted:
                 self.state.agents[agent].resolve_group(group_id, "empty")
+            self.check_starved(agents, emitted)
             await self.notify()
+
+    def check_starved(self, agents: set[str], emitted: set[str]) -> None:
+        """Stop the run when an agent got no turn in MAX_EMPTY_GROUPS groups in a row: with these
+        players the environment never lets it act (say, a counterpart whose replies never parse),
+        and waiting for its batches would never end."""
+        for agent in agents:
+            streak = 0 if agent in emitted else self.empty_streak.get(agent, 0) + 1
+            self.empty_streak[agent] = streak
+            if streak >= MAX_EMPTY_GROUPS and not self.state.stop_requested:
+                self.state.error = (f"agent {agent} had no turn in {streak} groups in a row: the environment "
+                                    "never lets it act with these players; stopping the run")
+                log.error(self.state.error)
+                self.state.stop_requested = True
 
     async def training_loop(self) -> None:
         self.state.phase = "training"
