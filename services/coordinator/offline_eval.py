@@ -24,7 +24,7 @@ from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import SamplingParams
 from services.coordinator.episode import play_episode
 from services.coordinator.evaluation import eval_roles, evaluate_player
-from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
 from services.envs.base import Environment
 from services.envs.registry import check_environment_config, check_scripted
 
@@ -62,11 +62,13 @@ async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: li
     for agent, path in checkpoints.items():
         player = POLICY + path
         tokenizers = {player: local.tokenizer(path)}
+        context = {player: context_length(path)}
 
         async def play(env: Environment, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
-                       rng: random.Random, tokenizers: dict[str, Any] = tokenizers) -> Any:
+                       rng: random.Random, tokenizers: dict[str, Any] = tokenizers,
+                       context: dict[str, int] = context) -> Any:
             return await play_episode(env, uuid.uuid4().hex, gid, mapping, tokenizers, sampling, local.generate,
-                                      "local", "eval", rng)
+                                      "local", "eval", rng, context)
 
         results[agent] = {"checkpoint": path, "roles": eval_roles(cfg.environment, env_cls, agent), "vs": {}}
         for opponent in opponents:

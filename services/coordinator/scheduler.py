@@ -23,7 +23,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.coordinator.episode import EpisodeResult, play_episode
 from services.coordinator.evaluation import eval_roles, evaluate_player
-from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
 from services.coordinator.state import RunState
 from services.envs.registry import check_environment_config
 
@@ -46,6 +46,7 @@ class Coordinator:
         self.tokenizers: dict[str, Any] = {a: AutoTokenizer.from_pretrained(c.model_path)
                                            for a, c in cfg.agents.items()}
         self.local = LocalPolicies()
+        self.context: dict[str, int] = {a: context_length(c.model_path) for a, c in cfg.agents.items()}
         # opponent pool: each agent's weight versions as they load (version 0 is the start model)
         self.versions: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
         self.pool_rng = random.Random(cfg.run.seed)
@@ -130,8 +131,9 @@ class Coordinator:
                 for player in roles.values():
                     if player.startswith(POLICY) and player not in self.tokenizers:
                         self.tokenizers[player] = self.local.tokenizer(player[len(POLICY):])
+                        self.context[player] = context_length(player[len(POLICY):])
                 result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
-                                            self.generate, self.reply_stream, purpose, rng)
+                                            self.generate, self.reply_stream, purpose, rng, self.context)
             except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
                 log.warning("episode of group %s abandoned: %r", group_id, exc)
                 return None
