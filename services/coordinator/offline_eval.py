@@ -61,8 +61,8 @@ async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: li
     results: dict[str, Any] = {}
     for agent, path in checkpoints.items():
         player = POLICY + path
-        tokenizers = {player: local.tokenizer(path)}
-        context = {player: context_length(path)}
+        tokenizers = {player: await asyncio.to_thread(local.tokenizer, path)}
+        context = {player: await asyncio.to_thread(context_length, path)}
 
         async def play(env: Environment, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
                        rng: random.Random, tokenizers: dict[str, Any] = tokenizers,

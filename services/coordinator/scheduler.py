@@ -128,10 +128,11 @@ class Coordinator:
                     sampling: dict[str, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
         async with self.slots:
             try:
-                for player in roles.values():
+                for player in roles.values():  # a pool version seen for the first time: read it off the loop
                     if player.startswith(POLICY) and player not in self.tokenizers:
-                        self.tokenizers[player] = self.local.tokenizer(player[len(POLICY):])
-                        self.context[player] = context_length(player[len(POLICY):])
+                        path = player[len(POLICY):]
+                        self.context[player] = await asyncio.to_thread(context_length, path)
+                        self.tokenizers[player] = await asyncio.to_thread(self.local.tokenizer, path)
                 result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
                                             self.generate, self.reply_stream, purpose, rng, self.context)
             except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
