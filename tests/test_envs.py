@@ -169,10 +169,16 @@ def test_doctor_patient_systematic_doctor_with_faithful_patient_diagnoses_every_
 
 def test_doctor_patient_patient_rewards_and_malformed_doctor() -> None:
     env = DoctorPatient({}, 0)
-    r = step(env, "what is wrong?")
-    assert r.turn_rewards == {"doctor": pytest.approx(-0.25)} and env.current_role() == "doctor"
+    r = step(env, "what is wrong?")  # malformed: penalised, but the patient still hears it
+    assert r.turn_rewards == {"doctor": pytest.approx(-0.25)} and env.current_role() == "patient"
+    assert "Doctor: what is wrong?" in env.observation("patient") and "fever:" in env.observation("patient")
+    assert step(env, "I feel bad").turn_rewards == {"patient": 0.0}  # free-form: nothing to check
+    assert env.observation("doctor").startswith("Say 'ask <topic>'")
+    step(env, "huh")
+    free_leak = step(env, f"it is {env.case['diagnosis']}")
+    assert free_leak.turn_rewards == {"patient": -1.0}
     step(env, "ask fever")
-    assert env.current_role() == "patient" and "fever:" in env.observation("patient")
+    assert env.current_role() == "patient" and env.observation("patient") == "Doctor: fever?"
     fact = env.case["facts"]["fever"]
     assert step(env, fact).turn_rewards == {"patient": 0.2}
     step(env, "ask fever")
@@ -303,3 +309,13 @@ def test_eval_opponent_per_role_and_scripted_roles_are_checked() -> None:
                               eval={"opponent": "evidence"})
     with pytest.raises(ValueError, match="environment.roles.judge: scripted player 'oracle'"):
         check_environment_config(judge)
+    wrong_role = judge.model_copy(update={"roles": {"pro": "A", "con": "B", "judge": "scripted:evidence"}})
+    with pytest.raises(ValueError, match="environment.roles.judge: scripted player 'evidence' cannot play 'judge'"):
+        check_environment_config(wrong_role)
+    asker = EnvironmentConfig(name="twenty_questions", roles={"asker": "A", "answerer": "B"},
+                              eval={"opponent": "truthful"})
+    with pytest.raises(ValueError, match="environment.eval.opponent: scripted player 'truthful' cannot play 'asker'"):
+        check_environment_config(asker)
+    missing = ok.model_copy(update={"eval": ok.eval.model_copy(update={"opponent": {"doctor": "systematic"}})})
+    with pytest.raises(ValueError, match=r"no scripted player for role\(s\) \['patient'\]"):
+        check_environment_config(missing)

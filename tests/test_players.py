@@ -154,3 +154,37 @@ def test_tandem_envs_lists_every_builtin() -> None:
                  "textarena"):
         assert name in proc.stdout
         assert ", ".join(load_environment(name).roles) in proc.stdout
+
+
+def test_an_agent_that_never_gets_a_turn_stops_the_run(redis_url: str, tiny_model_dir: Path) -> None:
+    from services.coordinator import scheduler
+
+    m = str(tiny_model_dir)
+    cfg = parse_config({**config({"X": "A", "O": "B"}, {"A": {"model_path": m}, "B": {"model_path": m}}),
+                        "redis_url": redis_url})
+    coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
+    for _ in range(scheduler.MAX_EMPTY_GROUPS - 1):
+        coord.check_starved({"A", "B"}, {"A"})
+    assert not coord.state.stop_requested
+    coord.check_starved({"A", "B"}, {"A", "B"})  # B had a turn: the streak restarts
+    for _ in range(scheduler.MAX_EMPTY_GROUPS):
+        coord.check_starved({"A", "B"}, {"A"})
+    assert coord.state.stop_requested and "agent B had no turn in 50 groups" in coord.state.error
+    assert coord.state.status()["error"] == coord.state.error
+    asyncio.run(coord.bus.close())
+
+
+def test_a_prompt_past_the_context_ends_the_episode_as_truncated(tiny_model_dir: Path) -> None:
+    from services.contracts.messages import SamplingParams
+    from services.envs.textarena_adapter import TextArena
+
+    local = LocalPolicies()
+    player = POLICY + str(tiny_model_dir)
+    tok = local.tokenizer(str(tiny_model_dir))
+    env = TextArena({"game": "TicTacToe-v0"}, 0)
+    first_prompt = len(tok.encode(env.observation("P0")))
+    result = asyncio.run(play_episode(env, "e", "g", {"P0": player, "P1": "scripted:random"}, {player: tok},
+                                      {player: SamplingParams(max_new_tokens=2, seed=1)}, local.generate, "local",
+                                      "eval", random.Random(0), {player: first_prompt // 2}))
+    assert result.summary["truncated"] and result.rewards == {"P0": 0.0, "P1": 0.0}
+    assert result.transcript[-1]["truncated"] and result.views["P0"].tokens == []  # nothing past the limit

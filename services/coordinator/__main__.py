@@ -63,7 +63,8 @@ async def main_async(config: str, port: int | None) -> int:
     ]
     runner = asyncio.ensure_future(run_and_report())
     await run_service("coordinator", bus, stop, *loops, runner)
-    return 0 if runner.done() and not runner.cancelled() and runner.exception() is None else 1
+    ok = runner.done() and not runner.cancelled() and runner.exception() is None and coord.state.error is None
+    return 0 if ok else 1
 
 
 def main() -> None:

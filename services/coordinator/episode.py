@@ -92,10 +92,13 @@ async def play_episode(
     reply_stream: str,
     purpose: str = "train",
     rng: random.Random | None = None,
+    max_context: Mapping[str, int] | None = None,
 ) -> EpisodeResult:
     """``roles`` maps each env role to a player: an agent name, ``scripted:<player>``, or
     ``policy:<dir>`` (weights played in-process; ``generate`` routes it by ``request.agent``).
-    ``tokenizers`` and ``sampling`` are keyed by those player names."""
+    ``tokenizers`` and ``sampling`` are keyed by those player names. When a role's next prompt
+    would not fit its player's context (``max_context``), the episode ends there as truncated:
+    every role gets reward 0 (plus the per-turn rewards so far)."""
     rng = rng or random.Random(episode_id)
     views = {r: View(agent=a, role=r) for r, a in roles.items() if not a.startswith(SCRIPTED)}
     renderers = {r: ChatRenderer(tokenizers[a], env.system_prompt(r)) for r, a in roles.items()
@@ -103,6 +106,7 @@ async def play_episode(
     transcript: list[dict[str, Any]] = []
     rewards: dict[str, float] = {}
     turn_rewards: dict[str, float] = {}
+    truncated = False
     for turn in range(MAX_TURNS):
         role = env.current_role()
         agent = roles[role]
@@ -112,7 +116,13 @@ async def play_episode(
         else:
             view, renderer = views[role], renderers[role]
             observation = env.observation(role)
-            view.add_context(renderer.user_turn(observation))
+            context = renderer.user_turn(observation)
+            if max_context and len(view.tokens) + len(context) >= max_context.get(agent, 1 << 62):
+                truncated = True
+                entry.update(observation=observation, truncated=True)
+                transcript.append(entry)
+                break
+            view.add_context(context)
             params = sampling[agent]
             if params.seed is not None:  # a seeded episode: each turn draws from its own seed
                 params = params.model_copy(update={"seed": params.seed + turn})
@@ -133,8 +143,9 @@ async def play_episode(
         if result.done:
             rewards = dict(result.rewards)
             break
-    else:
+    if not rewards:  # out of turns or out of context
         rewards = {r: 0.0 for r in roles}
     for r, v in turn_rewards.items():  # per-turn rewards add to the final one
         rewards[r] = rewards.get(r, 0.0) + v
-    return EpisodeResult(episode_id, group_id, roles, rewards, transcript, views, env.summary(), purpose)
+    summary = {**env.summary(), **({"truncated": True} if truncated else {})}
+    return EpisodeResult(episode_id, group_id, roles, rewards, transcript, views, summary, purpose)

@@ -63,7 +63,7 @@ async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig
         per_role[mine].append(score_for(r.rewards, mine))
         rewards.append(r.rewards.get(mine, 0.0))
     scores = [x for xs in per_role.values() for x in xs]
-    return {"score": sum(scores) / max(len(scores), 1), "episodes": len(scores), "opponent": opponent,
+    return {"score": sum(scores) / len(scores) if scores else None, "episodes": len(scores), "opponent": opponent,
             "wins": counts["win"], "draws": counts["draw"], "losses": counts["loss"],
             "mean_reward": sum(rewards) / max(len(rewards), 1),
             "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()}}

@@ -15,11 +15,17 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from services.contracts.messages import GenerateReply, GenerateRequest
 
 POLICY = "policy:"
+
+
+def context_length(model_path: str) -> int:
+    """A model's context window (a prompt that reaches it ends the episode as truncated)."""
+    cfg = AutoConfig.from_pretrained(model_path)
+    return int(getattr(cfg, "max_position_embeddings", None) or 1 << 62)
 
 
 class LocalPolicies:

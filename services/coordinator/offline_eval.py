@@ -24,9 +24,9 @@ from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import SamplingParams
 from services.coordinator.episode import play_episode
 from services.coordinator.evaluation import eval_roles, evaluate_player
-from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
 from services.envs.base import Environment
-from services.envs.registry import check_environment_config
+from services.envs.registry import check_environment_config, check_scripted
 
 
 def assign_checkpoints(cfg: TandemConfig, values: list[str]) -> dict[str, str]:
@@ -61,12 +61,14 @@ async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: li
     results: dict[str, Any] = {}
     for agent, path in checkpoints.items():
         player = POLICY + path
-        tokenizers = {player: local.tokenizer(path)}
+        tokenizers = {player: await asyncio.to_thread(local.tokenizer, path)}
+        context = {player: await asyncio.to_thread(context_length, path)}
 
         async def play(env: Environment, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
-                       rng: random.Random, tokenizers: dict[str, Any] = tokenizers) -> Any:
+                       rng: random.Random, tokenizers: dict[str, Any] = tokenizers,
+                       context: dict[str, int] = context) -> Any:
             return await play_episode(env, uuid.uuid4().hex, gid, mapping, tokenizers, sampling, local.generate,
-                                      "local", "eval", rng)
+                                      "local", "eval", rng, context)
 
         results[agent] = {"checkpoint": path, "roles": eval_roles(cfg.environment, env_cls, agent), "vs": {}}
         for opponent in opponents:
@@ -91,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         env_cls = check_environment_config(cfg.environment)
         checkpoints = assign_checkpoints(cfg, args.checkpoint)
         opponents: list[str | dict[str, str]] = list(args.opponent) or [cfg.environment.eval.opponent]
-        bad = [o for o in args.opponent if o not in env_cls.scripted_players]
-        if bad:
-            raise ConfigError(f"--opponent {bad[0]}: not one of {list(env_cls.scripted_players)}")
+        for o in args.opponent:
+            for role in env_cls.roles:
+                if not cfg.environment.roles[role].startswith("scripted:"):
+                    check_scripted(env_cls, role, o, f"--opponent {o}")
         episodes = cfg.environment.eval.episodes if args.episodes is None else args.episodes
         if episodes < 1:
             raise ConfigError("--episodes: must be at least 1 (or set environment.eval.episodes)")
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     for agent, r in report["agents"].items():
         for opponent, s in r["vs"].items():
             roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
-            print(f"{agent} vs {opponent}: score {s['score']:.3f}  wins {s['wins']} draws {s['draws']} "
+            score = "-" if s["score"] is None else f"{s['score']:.3f}"
+            print(f"{agent} vs {opponent}: score {score}  wins {s['wins']} draws {s['draws']} "
                   f"losses {s['losses']}  ({roles}; {s['episodes']} episodes, {r['checkpoint']})")
     out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)

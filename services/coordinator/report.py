@@ -36,7 +36,7 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
             "groups_dropped": a.dropped_groups,
             "max_staleness": a.max_staleness,
         }
-    return {"run": state.cfg.run.name, "phase": state.phase, "episodes": state.episodes_done,
+    return {"run": state.cfg.run.name, "phase": state.phase, "error": state.error, "episodes": state.episodes_done,
             "wall_s": None, "agents": agents, "evals": evals}
 
 

@@ -23,7 +23,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.coordinator.episode import EpisodeResult, play_episode
 from services.coordinator.evaluation import eval_roles, evaluate_player
-from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
 from services.coordinator.state import RunState
 from services.envs.registry import check_environment_config
 
@@ -34,6 +34,7 @@ def finite(data: dict[str, Any]) -> dict[str, Any]:
     """Metrics with NaN/inf replaced by None (JSON cannot carry them)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 TURN_TIMEOUT_S = 300.0
+MAX_EMPTY_GROUPS = 50
 EPISODE_CACHE = 2000
 
 
@@ -45,6 +46,7 @@ class Coordinator:
         self.tokenizers: dict[str, Any] = {a: AutoTokenizer.from_pretrained(c.model_path)
                                            for a, c in cfg.agents.items()}
         self.local = LocalPolicies()
+        self.context: dict[str, int] = {a: context_length(c.model_path) for a, c in cfg.agents.items()}
         # opponent pool: each agent's weight versions as they load (version 0 is the start model)
         self.versions: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
         self.pool_rng = random.Random(cfg.run.seed)
@@ -56,6 +58,7 @@ class Coordinator:
         self.evals: list[dict[str, Any]] = []
         self.group_tasks: set[asyncio.Task[None]] = set()
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
+        self.empty_streak: dict[str, int] = {}
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -128,11 +131,13 @@ class Coordinator:
                     sampling: dict[str, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
         async with self.slots:
             try:
-                for player in roles.values():
+                for player in roles.values():  # a pool version seen for the first time: read it off the loop
                     if player.startswith(POLICY) and player not in self.tokenizers:
-                        self.tokenizers[player] = self.local.tokenizer(player[len(POLICY):])
+                        path = player[len(POLICY):]
+                        self.context[player] = await asyncio.to_thread(context_length, path)
+                        self.tokenizers[player] = await asyncio.to_thread(self.local.tokenizer, path)
                 result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
-                                            self.generate, self.reply_stream, purpose, rng)
+                                            self.generate, self.reply_stream, purpose, rng, self.context)
             except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
                 log.warning("episode of group %s abandoned: %r", group_id, exc)
                 return None
@@ -195,7 +200,21 @@ class Coordinator:
         finally:  # an agent with nothing in this group gets no verdict from its buffer
             for agent in agents - emitted:
                 self.state.agents[agent].resolve_group(group_id, "empty")
+            self.check_starved(agents, emitted)
             await self.notify()
+
+    def check_starved(self, agents: set[str], emitted: set[str]) -> None:
+        """Stop the run when an agent got no turn in MAX_EMPTY_GROUPS groups in a row: with these
+        players the environment never lets it act (say, a counterpart whose replies never parse),
+        and waiting for its batches would never end."""
+        for agent in agents:
+            streak = 0 if agent in emitted else self.empty_streak.get(agent, 0) + 1
+            self.empty_streak[agent] = streak
+            if streak >= MAX_EMPTY_GROUPS and not self.state.stop_requested:
+                self.state.error = (f"agent {agent} had no turn in {streak} groups in a row: the environment "
+                                    "never lets it act with these players; stopping the run")
+                log.error(self.state.error)
+                self.state.stop_requested = True
 
     async def training_loop(self) -> None:
         self.state.phase = "training"
@@ -229,14 +248,14 @@ class Coordinator:
                                      ev.opponent, ev.episodes, self.cfg.agents[agent].sampling, ev.temperature,
                                      play)
 
-    async def evaluate_all(self, label: str) -> dict[str, float]:
+    async def evaluate_all(self, label: str) -> dict[str, float | None]:
         names = list(self.state.agents)
         reports = await asyncio.gather(*(self.evaluate(a) for a in names))
         out = {a: r["score"] for a, r in zip(names, reports, strict=True)}
         self.evals.append({"label": label, "time": time.time(), "scores": out,
                            "details": dict(zip(names, reports, strict=True)),
                            "versions": {a: self.state.agents[a].loaded_version for a in names}})
-        log.info("eval %s: %s", label, {a: f"{r['score']:.3f} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
+        log.info("eval %s: %s", label, {a: f"{r['score']} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
                                         for a, r in zip(names, reports, strict=True)})
         return out
 

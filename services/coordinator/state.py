@@ -78,6 +78,7 @@ class RunState:
     phase: str = "starting"  # starting | eval_start | training | eval_end | done | stopped
     paused: bool = False
     stop_requested: bool = False
+    error: str | None = None  # why the coordinator stopped the run itself
     started_at: float = field(default_factory=time.time)
     agents: dict[str, AgentState] = field(default_factory=dict)
     episodes_done: int = 0
@@ -122,6 +123,7 @@ class RunState:
             "run": self.cfg.run.name,
             "phase": self.phase,
             "paused": self.paused,
+            "error": self.error,
             "uptime_s": round(time.time() - self.started_at, 1),
             "episodes": self.episodes_done,
             "episodes_per_s": round(self.episodes_per_s(), 3),

@@ -34,6 +34,8 @@ class Environment(ABC):
     roles: ClassVar[tuple[str, ...]]
     description: ClassVar[str] = ""
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
+    # scripted player -> the roles it can play (a player not listed can play every role)
+    scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, params: dict[str, Any], seed: int) -> None:
         self.params = self.check_params(params)

@@ -51,6 +51,8 @@ class Debate(Environment):
     description: ClassVar[str] = ("Debate: pro and con argue a motion for k rounds; a judge (rule-based or an "
                                   "agent) picks the winner; zero-sum +1/-1.")
     scripted_players: ClassVar[tuple[str, ...]] = ("rules", "evidence", "silent")
+    scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
+        "rules": ("judge",), "evidence": ("pro", "con"), "silent": ("pro", "con")}
 
     def __init__(self, params: dict[str, Any], seed: int) -> None:
         super().__init__(params, seed)

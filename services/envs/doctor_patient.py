@@ -7,12 +7,15 @@ diagnosis name, and must not say it.
 
 Protocol
 * The doctor replies ``ask <topic>`` or ``diagnose <name>`` (one of ``DIAGNOSES``).
-* After ``ask``, the patient answers in free text.
+* After ``ask``, the patient answers in free text. Any other doctor reply costs
+  the doctor the format penalty but still reaches the patient as a free-form
+  question (so the patient always has turns to learn from); its answer is then
+  judged only for leaks and emptiness.
 
 Rewards
 * doctor: +1 for the right diagnosis, -1 for a wrong one (either ends the
   episode), ``-turn_cost`` per question (per turn), ``-format_penalty`` for a
-  reply that is neither form (the doctor asks again). No diagnosis after
+  reply that is neither form (it goes to the patient as a free-form question). No diagnosis after
   ``max_turns`` doctor turns: 0.
 * patient, per answer: ``+answer_reward`` when it is consistent with the case
   (for a yes/no topic the first yes/no word agrees; for a detail topic the
@@ -20,7 +23,8 @@ Rewards
   an answer with neither yes/no nor the fact is incomplete: 0);
   ``-answer_reward`` for a contradicting answer; ``-leak_penalty`` when the
   answer names the diagnosis (volunteering it); ``-format_penalty`` for an
-  empty answer.
+  empty answer; 0 for an answer to a free-form question that neither leaks
+  nor is empty.
 
 Scripted players: doctor ``systematic`` (asks the topics that separate the
 diagnoses still possible, then diagnoses) and ``random``; patient
@@ -76,6 +80,9 @@ class DoctorPatient(Environment):
     description: ClassVar[str] = ("Doctor asks, patient answers from a synthetic case; doctor rewarded for a right "
                                   "diagnosis in few turns, patient for consistent, complete, non-leaking answers.")
     scripted_players: ClassVar[tuple[str, ...]] = ("systematic", "random", "faithful", "leaky", "liar")
+    scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
+        "systematic": ("doctor",), "random": ("doctor",), "faithful": ("patient",), "leaky": ("patient",),
+        "liar": ("patient",)}
 
     def __init__(self, params: dict[str, Any], seed: int) -> None:
         super().__init__(params, seed)
@@ -115,14 +122,19 @@ class DoctorPatient(Environment):
         if role != self.to_act:
             raise ValueError(f"it is {self.to_act}'s turn, not {role!r}'s")
         if role == "patient":
-            assert self.topic is not None
-            verdict, leaked = judge_answer(reply, self.case["facts"][self.topic], self.case["diagnosis"])
+            said = " ".join(reply.split())[:60] or "(no answer)"
+            if self.topic is None:  # a free-form question: only leaks and empty answers can be judged
+                leaked = self.case["diagnosis"] in re.findall(r"[a-z0-9]+", reply.lower())
+                verdict = "empty" if not reply.strip() else "unchecked"
+                self.doctor_note = f"Say 'ask <topic>' or 'diagnose <name>'. Patient: {said}"
+            else:
+                verdict, leaked = judge_answer(reply, self.case["facts"][self.topic], self.case["diagnosis"])
+                self.answers[self.topic] = reply
+                self.doctor_note = f"{self.topic}: {said}"
             self.verdicts.append(verdict)
             self.leaks += leaked
             r = {"consistent": p["answer_reward"], "contradicts": -p["answer_reward"], "incomplete": 0.0,
-                 "empty": -p["format_penalty"]}[verdict] - (p["leak_penalty"] if leaked else 0.0)
-            self.answers[self.topic] = reply
-            self.doctor_note = f"{self.topic}: {' '.join(reply.split())[:60] or '(no answer)'}"
+                 "unchecked": 0.0, "empty": -p["format_penalty"]}[verdict] - (p["leak_penalty"] if leaked else 0.0)
             self.to_act = "doctor"
             return self._doctor_turn_over({"patient": r}, {"verdict": verdict, "leaked": leaked})
         self.doctor_turns += 1
@@ -133,15 +145,17 @@ class DoctorPatient(Environment):
             right = word == self.case["diagnosis"]
             return StepResult(done=True, rewards={"doctor": 1.0 if right else -1.0, "patient": 0.0},
                               info={"diagnosis": word, "right": right})
-        if verb == "ask" and word in TOPICS:
-            self.topic = word
-            self.to_act = "patient"
-            self.patient_note = (self.patient_note + "\n" if not self.briefed else "") + f"Doctor: {word}?"
-            self.briefed = True
-            return StepResult(done=False, turn_rewards={"doctor": -p["turn_cost"]}, info={"ask": word})
-        self.doctor_note = "Say 'ask <topic>' or 'diagnose <name>'."
-        return self._doctor_turn_over({"doctor": -p["turn_cost"] - p["format_penalty"]},
-                                      {"malformed": reply[:40]})
+        well_formed = verb == "ask" and word in TOPICS
+        self.topic = word if well_formed else None
+        question = f"{word}?" if well_formed else " ".join(reply.split())[:80] or "..."
+        cost = {"doctor": -p["turn_cost"] - (0.0 if well_formed else p["format_penalty"])}
+        info: dict[str, Any] = {"ask": word} if well_formed else {"malformed": reply[:40]}
+        if not well_formed and self.doctor_turns >= p["max_turns"]:
+            return StepResult(done=True, rewards={"doctor": 0.0, "patient": 0.0}, turn_rewards=cost, info=info)
+        self.to_act = "patient"  # a malformed reply still reaches the patient, as a free-form question
+        self.patient_note = (self.patient_note + "\n" if not self.briefed else "") + f"Doctor: {question}"
+        self.briefed = True
+        return StepResult(done=False, turn_rewards=cost, info=info)
 
     def _possible(self) -> list[dict[str, Any]]:
         out = []

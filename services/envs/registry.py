@@ -47,6 +47,16 @@ def load_environment(name: str) -> type[Environment]:
     return cls
 
 
+def check_scripted(env_cls: type[Environment], role: str, player: str, where: str) -> None:
+    """``player`` is a scripted player of the environment that can play ``role``."""
+    if player not in env_cls.scripted_players:
+        raise ValueError(f"{where}: scripted player {player!r} is not one of {env_cls.__name__}'s "
+                         f"{list(env_cls.scripted_players)}")
+    can = env_cls.scripted_roles.get(player, env_cls.roles)
+    if role not in can:
+        raise ValueError(f"{where}: scripted player {player!r} cannot play {role!r} (only {list(can)})")
+
+
 def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
     """Load the environment and check its params, roles and eval opponent against it.
 
@@ -65,18 +75,20 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
         raise ValueError(f"environment.roles: {env_cls.__name__} has roles {list(env_cls.roles)}; "
                          f"missing {missing}, unknown {extra}")
     for role, player in env_cfg.roles.items():
-        if player.startswith("scripted:") and player[len("scripted:"):] not in env_cls.scripted_players:
-            raise ValueError(f"environment.roles.{role}: scripted player {player[len('scripted:'):]!r} is not "
-                             f"one of {env_cls.__name__}'s {list(env_cls.scripted_players)}")
+        if player.startswith("scripted:"):
+            check_scripted(env_cls, role, player[len("scripted:"):], f"environment.roles.{role}")
     opponent = env_cfg.eval.opponent
     if env_cfg.eval.episodes:
-        per_role = opponent if isinstance(opponent, dict) else {r: opponent for r in env_cls.roles}
+        fixed = {r for r, p in env_cfg.roles.items() if p.startswith("scripted:")}  # they keep their player
+        per_role = opponent if isinstance(opponent, dict) else {r: opponent for r in env_cls.roles if r not in fixed}
         for role, player in per_role.items():
             where = "environment.eval.opponent" + (f".{role}" if isinstance(opponent, dict) else "")
             if role not in env_cls.roles:
                 raise ValueError(f"{where}: {env_cls.__name__} has no role {role!r} ({list(env_cls.roles)})")
-            if player not in env_cls.scripted_players:
-                raise ValueError(f"{where}: {player!r} is not one of {list(env_cls.scripted_players)}")
+            check_scripted(env_cls, role, player, where)
+        missing = [r for r in env_cls.roles if r not in fixed and r not in per_role]
+        if missing:
+            raise ValueError(f"environment.eval.opponent: no scripted player for role(s) {missing}")
     return env_cls
 
 

@@ -63,6 +63,8 @@ class TwentyQuestions(Environment):
     description: ClassVar[str] = ("Twenty questions: the asker names a hidden object by yes/no questions; the "
                                   "answerer's answers are checked against the attribute table.")
     scripted_players: ClassVar[tuple[str, ...]] = ("halving", "random", "truthful", "liar")
+    scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
+        "halving": ("asker",), "truthful": ("answerer",), "liar": ("answerer",)}
 
     def __init__(self, params: dict[str, Any], seed: int) -> None:
         super().__init__(params, seed)

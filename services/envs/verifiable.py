@@ -46,6 +46,7 @@ class Task(ABC):
 
 class _Verifiable(Environment):
     scripted_players: ClassVar[tuple[str, ...]] = ("oracle", "wrong", "yes")
+    scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {"wrong": ("solver",), "yes": ("critic",)}
     param_spec: ClassVar[dict[str, tuple[type, Any, Any, Any]]] = {}
     env_name: ClassVar[str] = "verifiable"
 

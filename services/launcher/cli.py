@@ -24,9 +24,12 @@ def main(argv: list[str] | None = None) -> None:
                    add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # the coordinator's evaluation runs it (services do not import each other)
+        import os
         import subprocess
 
-        raise SystemExit(subprocess.call([sys.executable, "-m", "services.coordinator.offline_eval", *argv[1:]]))
+        env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
+        raise SystemExit(subprocess.call([sys.executable, "-m", "services.coordinator.offline_eval", *argv[1:]],
+                                         env=env))
     args = parser.parse_args(argv)
     if args.command == "envs":
         from services.envs.registry import describe_environments
