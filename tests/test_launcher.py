@@ -54,28 +54,39 @@ def test_bad_config_fails_before_any_service_starts(tmp_path):
     assert "agents.A.model_path" in res.stderr  # models/demo-ttt does not exist under tmp_path
 
 
-@pytest.mark.slow
-def test_a_dying_child_stops_every_service_and_is_named(tmp_path, tiny_model_dir):
+def _start_run(tmp_path: Path, model: Path, name: str) -> tuple[subprocess.Popen, dict[int, str]]:
+    """Start ``tandem up`` on a long run; return it and its children once the control API answers."""
     port = free_port()
-    cfg = {"run": {"name": "dies", "total_steps": 50, "checkpoint_root": str(tmp_path / "ckpt"),
+    cfg = {"run": {"name": name, "total_steps": 50, "checkpoint_root": str(tmp_path / "ckpt"),
                    "output_dir": str(tmp_path / "runs")},
            "api": {"port": port},
            "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "B"}},
-           "agents": {a: {"model_path": str(tiny_model_dir), "groups_per_batch": 2} for a in ("A", "B")}}
-    path = tmp_path / "dies.yaml"
+           "agents": {a: {"model_path": str(model), "groups_per_batch": 2} for a in ("A", "B")}}
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(path)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    return proc, _children(proc.pid)
+
+
+def _all_gone(children: dict[int, str]) -> None:
+    for pid, cmd in children.items():
+        alive = Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+        assert not alive, f"child {pid} ({cmd}) outlived the launcher"
+
+
+@pytest.mark.slow
+def test_a_dying_child_stops_every_service_and_is_named(tmp_path, tiny_model_dir):
+    proc, children = _start_run(tmp_path, tiny_model_dir, "dies")
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        children = _children(proc.pid)
         victim = next(pid for pid, cmd in children.items() if "services.buffer" in cmd and "--agent A" in cmd)
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
@@ -84,5 +95,19 @@ def test_a_dying_child_stops_every_service_and_is_named(tmp_path, tiny_model_dir
             proc.kill()
     assert proc.returncode == 1
     assert "buffer.A died (exit code -9)" in out
-    for pid in children:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    _all_gone(children)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_service_and_the_embedded_redis(tmp_path, tiny_model_dir):
+    proc, children = _start_run(tmp_path, tiny_model_dir, "term")
+    try:
+        assert any("valkey" in cmd or "redis-server" in cmd for cmd in children.values()), children
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:]
+    assert "stopping every service" in out
+    _all_gone(children)

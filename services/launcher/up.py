@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -102,6 +103,8 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None) -> i
         env["TANDEM_REDIS_URL"] = redis.url
         console.print(f"embedded Redis at {redis.url} (data in {run_dir / 'redis'})")
     api_port = cfg.api.port or free_port()
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the run like Ctrl-C
+        signal.signal(signal.SIGTERM, _interrupt)
     group = ProcessGroup(run_dir / "logs", child_env(env), echo)
     code = 0
     started = time.time()
@@ -110,7 +113,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None) -> i
         console.print(f"control API at {api} (docs at {api}/docs) — all services up in {time.time() - started:.0f}s")
         code = watch(group, api, console)
     except KeyboardInterrupt:
-        console.print("interrupted: stopping every service")
+        console.print("interrupted (Ctrl-C or SIGTERM): stopping every service")
         code = 130
     except RuntimeError as exc:
         console.print(f"[red]{exc}[/red]")
@@ -124,6 +127,10 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None) -> i
         console.print(summary_table(json.loads(summary_path.read_text())))
         console.print(f"summary: {summary_path}   plot: {run_dir / 'rewards.png'}")
     return code
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def watch(group: ProcessGroup, api: str, console: Console) -> int:
