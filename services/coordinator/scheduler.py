@@ -82,8 +82,9 @@ class Coordinator:
             agent.loaded_version = max(agent.loaded_version, version)
             if version not in agent.versions_loaded:
                 agent.versions_loaded.append(version)
-        elif ev.kind == "train_step":
-            agent.train_steps.append({**finite(ev.data), "time": ev.created_at})
+        elif ev.kind == "train_step" and ("version" not in ev.data
+                                          or all(t.get("version") != ev.data["version"] for t in agent.train_steps)):
+            agent.train_steps.append({**finite(ev.data), "time": ev.created_at})  # once per version (re-sends)
         elif ev.kind == "group_done":
             agent.resolve_group(str(ev.data.get("group_id")), "kept" if ev.data.get("kept") else "dropped")
         await self.notify()

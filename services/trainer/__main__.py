@@ -23,12 +23,11 @@ import json
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
+from typing import Any
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.config import ConfigError
 from services.contracts.messages import Batch, Control, Event, Sample, WeightsUpdate
 from services.trainer.backends import make_policy
 
@@ -66,8 +65,8 @@ async def main_async(config: str, agent: str) -> int:
     version = int(await bus.redis.get(s.published_version(agent)) or 0)
     try:
         policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
-    except ConfigError as exc:  # e.g. an inconsistent megatron layout: the message names the field
-        print(f"invalid config {config}: agents.{agent}.{exc}", file=sys.stderr)
+    except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: say which field, stop
+        log.error("agents.%s.%s", agent, exc)
         return 2
     if getattr(policy, "follower", False):  # megatron under torchrun: ranks > 0 run what rank 0 runs
         await asyncio.to_thread(policy.follow)
@@ -85,6 +84,13 @@ async def main_async(config: str, agent: str) -> int:
     stop = asyncio.Event()
     busy = asyncio.Lock()  # one policy operation at a time (a step, or a checkpoint command)
 
+    async def announce(rec: dict[str, Any]) -> None:
+        """Publish a committed version: its weights, then its train_step event (kept once per version)."""
+        await bus.publish(s.weights(agent), WeightsUpdate(agent=agent, version=rec["version"], path=rec["path"],
+                                                          checksum=rec["checksum"]))
+        if "metrics" in rec:
+            await bus.publish(s.events, Event(source=bus.service, kind="train_step", agent=agent, data=rec["metrics"]))
+
     async def on_batch(batch: Batch) -> None:
         nonlocal version
         wrong = [x.agent for x in batch.samples if x.agent != agent] + ([batch.agent] if batch.agent != agent else [])
@@ -97,8 +103,7 @@ async def main_async(config: str, agent: str) -> int:
             for raw in await bus.redis.lrange(s.train_log(agent), 0, -1):
                 rec = json.loads(raw)
                 if rec["batch_id"] == batch.id:
-                    await bus.publish(s.weights(agent), WeightsUpdate(agent=agent, version=rec["version"],
-                                                                      path=rec["path"], checksum=rec["checksum"]))
+                    await announce(rec)
             log.info("batch %s already trained; skipping", batch.id)
             return
         async with busy:
@@ -116,7 +121,8 @@ async def main_async(config: str, agent: str) -> int:
             record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
                       "path": str(path.resolve()), "checksum": checksum,
                       "engines": sorted({e for x in fresh for e in x.engines}),
-                      "min_weight_version": min(x.min_weight_version for x in fresh)}
+                      "min_weight_version": min(x.min_weight_version for x in fresh),
+                      "metrics": {**metrics, "version": new_version, "batch_step": batch.step}}
             async with bus.redis.pipeline(transaction=True) as pipe:
                 pipe.sadd(s.trained_samples(agent), *[x.id for x in fresh])
                 pipe.set(s.published_version(agent), new_version)
@@ -129,10 +135,7 @@ async def main_async(config: str, agent: str) -> int:
         version = new_version
         failpoint("after_commit", version)
         await asyncio.to_thread(tidy_states, state_root, version)
-        await bus.publish(s.weights(agent), WeightsUpdate(agent=agent, version=version, path=str(path.resolve()),
-                                                          checksum=checksum))
-        await bus.publish(s.events, Event(source=bus.service, kind="train_step", agent=agent,
-                                          data={**metrics, "version": version, "batch_step": batch.step}))
+        await announce(record)
         log.info("step %d: reward %.3f loss %.4f clip %.3f (%d samples, %.2fs)", version, metrics["reward_mean"],
                  metrics.get("loss", 0.0), metrics["clip_frac"], len(fresh), metrics["train_seconds"])
 

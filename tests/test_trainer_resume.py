@@ -1,0 +1,143 @@
+"""kill -9 the trainer mid-run, three ways, and restart it: it resumes and no sample is trained twice.
+
+Real processes (buffer and trainer) on a real Redis. The trainer is killed with
+SIGKILL (1) from outside at whatever point it has reached, (2) after it trained a
+step and wrote its state but before the Redis commit, (3) after the commit but
+before acknowledging the batch. After the last restart the run must finish with
+versions 1..N each trained once, every sample in exactly one step, and final
+weights equal to an uninterrupted in-process run over the same batches — which
+also shows the optimizer, scheduler and version were restored exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+import yaml
+
+from services.contracts.codec import FIELD, decode, encode
+from services.contracts.config import load_config
+from services.contracts.messages import Batch, Event, Sample
+from services.contracts.streams import Streams
+from services.trainer.torch_backend import TorchPolicy
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+def wait(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def samples() -> list[Sample]:
+    out = []
+    for g in range(STEPS):
+        for k in range(2):
+            tokens = [5, 6, 7, 8] + [20 + 3 * g + k, 30 + k, 40 + g]
+            mask = [0, 0, 0, 0, 1, 1, 1]
+            out.append(Sample(id=f"s{g}-{k}", agent="A", role="X", episode_id=f"e{g}-{k}", group_id=f"g{g}",
+                              group_size=2, tokens=tokens, loss_mask=mask,
+                              rollout_logprobs=[-5.5 * m for m in mask], reward=float(k), turn_weight_versions=[0]))
+    return out
+
+
+def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_dir: Path) -> None:
+    run = f"resume{os.getpid()}"
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "run": {"name": run, "total_steps": STEPS, "checkpoint_root": str(tmp_path / "ckpt")},
+        "redis_url": redis_url,
+        "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "A"}},
+        "agents": {"A": {"model_path": str(tiny_model_dir), "groups_per_batch": 1, "max_staleness": 100,
+                         "algorithm": {"name": "grpo", "lr": 0.01, "lr_scheduler": "linear", "decay_steps": 10}}},
+    }))
+    r = redis.Redis.from_url(redis_url)
+    s = Streams(run)
+    published = lambda: int(r.get(s.published_version("A")) or 0)  # noqa: E731
+    procs: list[subprocess.Popen] = []
+
+    def start(service: str, failpoint: str | None = None) -> subprocess.Popen:
+        env = {**os.environ, "TANDEM_TRAINER_FAILPOINT": failpoint or ""}
+        p = subprocess.Popen([sys.executable, "-m", f"services.{service}", "--config", str(cfg_path), "--agent", "A"],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        procs.append(p)
+        return p
+
+    try:
+        start("buffer")
+        for x in samples():
+            r.xadd(s.samples("A"), {FIELD: encode(x)})
+        # (1) kill -9 from outside as soon as the first version is committed, wherever the trainer then is
+        t = start("trainer")
+        wait(lambda: published() >= 1, 90, "version 1")
+        t.send_signal(signal.SIGKILL)
+        assert t.wait(10) == -signal.SIGKILL
+        # (2) dies after training step 3 and writing its state, before the commit
+        committed = published()
+        t = start("trainer", f"after_state:{committed + 1}")
+        assert t.wait(90) == -signal.SIGKILL, t.stderr.read().decode()[-2000:] if t.stderr else ""
+        assert published() == committed
+        assert (tmp_path / "ckpt" / run / "A" / "state" / f"v{committed + 1:05d}").is_dir()  # written, uncommitted
+        # (3) dies right after committing the next version, before acknowledging its batch
+        t = start("trainer", f"after_commit:{committed + 2}")
+        assert t.wait(90) == -signal.SIGKILL
+        assert published() == committed + 2
+        # the last start finishes the run
+        t = start("trainer")
+        wait(lambda: published() == STEPS, 90, f"version {STEPS}")
+        wait(lambda: not r.xpending(s.batches("A"), "trainer")["pending"], 30, "every batch acknowledged")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+    log = [json.loads(x) for x in r.lrange(s.train_log("A"), 0, -1)]
+    assert [rec["version"] for rec in log] == list(range(1, STEPS + 1))
+    trained = [sid for rec in log for sid in rec["sample_ids"]]
+    assert sorted(trained) == sorted(x.id for x in samples())  # every sample exactly once
+    assert {m.decode() for m in r.smembers(s.trained_samples("A"))} == set(trained)
+    state_root = tmp_path / "ckpt" / run / "A" / "state"
+    assert sorted(p.name for p in state_root.iterdir()) == [f"v{STEPS - 1:05d}", f"v{STEPS:05d}"]
+
+    # per-step metrics on the events stream (what the coordinator serves at /v1/metrics)
+    events = [decode(f[FIELD], Event) for _, f in r.xrange(s.events)]
+    steps = {e.data["version"]: e.data for e in events if e.kind == "train_step" and e.agent == "A"}
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for key in ("loss", "pg_loss", "entropy", "clip_frac", "grad_norm", "lr", "tokens_per_s", "stale_frac"):
+        assert all(isinstance(m[key], float) for m in steps.values()), key
+    assert steps[2]["stale_frac"] == 1.0 and steps[2]["tis_ratio_max"] > 0  # samples of version 0, trainer at 1
+
+    # an uninterrupted in-process run over the same batches ends at the same weights
+    batches = [decode(f[FIELD], Batch) for _, f in r.xrange(s.batches("A"))]
+    assert [b.step for b in batches] == list(range(1, STEPS + 1))
+    acfg = load_config(cfg_path).agents["A"]
+    reference = TorchPolicy(acfg, 1.0)
+    for b in batches:
+        reference.train_step(b.samples)
+    resumed = TorchPolicy(acfg, 1.0)
+    assert resumed.load_state(state_root / f"v{STEPS:05d}") == STEPS
+    for (name, a), b in zip(reference.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
