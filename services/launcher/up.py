@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from rich.table import Table
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.sglang_router import router_command
-from services.contracts.config import TandemConfig
+from services.contracts.config import AgentConfig, TandemConfig
 from services.launcher.processes import Child, ProcessGroup, child_env, python_module
 
 
@@ -53,6 +54,16 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
+def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
+    """The megatron backend with more than one rank runs under torchrun (rank 0 is the trainer service)."""
+    lay = acfg.megatron
+    ranks = lay.tensor_parallel * lay.pipeline_parallel * lay.data_parallel
+    if acfg.backend == "megatron" and ranks > 1:
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        return [torchrun, "--standalone", "--nproc_per_node", str(ranks), "-m", "services.trainer", *base]
+    return python_module("services.trainer", *base)
+
+
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
     """Start every service, the slow starters in parallel; return the control API URL."""
     engines: dict[str, list[tuple[str, Child]]] = {}
@@ -69,7 +80,7 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
     for agent in cfg.agents:
         base = ["--config", config_path, "--agent", agent]
         group.start(f"buffer.{agent}", python_module("services.buffer", *base))
-        group.start(f"trainer.{agent}", python_module("services.trainer", *base))
+        group.start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base))
     coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
                                                      "--port", str(api_port)))
     for agent, started in engines.items():
