@@ -150,6 +150,19 @@ def test_config_accepts_megatron_and_checks_the_layout_fields() -> None:
         parse_config({**base, "agents": {"A": {"model_path": "m", "megatron": {"expert_parallel": 2}}}})
 
 
+def test_launcher_starts_a_multi_rank_megatron_trainer_under_torchrun() -> None:
+    from services.launcher.up import trainer_command
+
+    base = ["--config", "c.yaml", "--agent", "A"]
+    one = trainer_command(AgentConfig(model_path="m", backend="megatron"), base)
+    assert one[1:] == ["-m", "services.trainer", *base]
+    two = trainer_command(AgentConfig(model_path="m", backend="megatron", megatron=MegatronLayout(data_parallel=2)),
+                          base)
+    assert Path(two[0]).name == "torchrun" and two[1:] == ["--standalone", "--nproc_per_node", "2", "-m",
+                                                           "services.trainer", *base]
+    assert trainer_command(AgentConfig(model_path="m", megatron=MegatronLayout(data_parallel=2)), base)[1] == "-m"
+
+
 @pytest.mark.slow
 def test_two_data_parallel_processes_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     """torchrun, 2 processes over gloo, data_parallel 2: rank 0 drives rank 1; the weights equal one process's."""

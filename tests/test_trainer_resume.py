@@ -28,7 +28,7 @@ from services.contracts.codec import FIELD, decode, encode
 from services.contracts.config import load_config
 from services.contracts.messages import Batch, Event, Sample
 from services.contracts.streams import Streams
-from services.trainer.torch_backend import TorchPolicy
+from services.trainer.backends import make_policy
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +57,16 @@ def samples() -> list[Sample]:
     return out
 
 
-def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_dir: Path) -> None:
-    run = f"resume{os.getpid()}"
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_dir: Path, backend: str) -> None:
+    run = f"resume{os.getpid()}{backend}"
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "run": {"name": run, "total_steps": STEPS, "checkpoint_root": str(tmp_path / "ckpt")},
         "redis_url": redis_url,
         "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "A"}},
-        "agents": {"A": {"model_path": str(tiny_model_dir), "groups_per_batch": 1, "max_staleness": 100,
+        "agents": {"A": {"model_path": str(tiny_model_dir), "backend": backend, "groups_per_batch": 1,
+                         "max_staleness": 100,
                          "algorithm": {"name": "grpo", "lr": 0.01, "lr_scheduler": "linear", "decay_steps": 10}}},
     }))
     r = redis.Redis.from_url(redis_url)
@@ -134,10 +136,10 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
     batches = [decode(f[FIELD], Batch) for _, f in r.xrange(s.batches("A"))]
     assert [b.step for b in batches] == list(range(1, STEPS + 1))
     acfg = load_config(cfg_path).agents["A"]
-    reference = TorchPolicy(acfg, 1.0)
+    reference = make_policy(acfg, 1.0)
     for b in batches:
         reference.train_step(b.samples)
-    resumed = TorchPolicy(acfg, 1.0)
+    resumed = make_policy(acfg, 1.0)
     assert resumed.load_state(state_root / f"v{STEPS:05d}") == STEPS
-    for (name, a), b in zip(reference.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+    for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from rich.live import Live
 from rich.table import Table
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
-from services.contracts.config import TandemConfig
+from services.contracts.config import AgentConfig, TandemConfig
 from services.launcher.processes import ProcessGroup, child_env, python_module
 
 
@@ -53,6 +54,16 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
+def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
+    """The megatron backend with more than one rank runs under torchrun (rank 0 is the trainer service)."""
+    lay = acfg.megatron
+    ranks = lay.tensor_parallel * lay.pipeline_parallel * lay.data_parallel
+    if acfg.backend == "megatron" and ranks > 1:
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        return [torchrun, "--standalone", "--nproc_per_node", str(ranks), "-m", "services.trainer", *base]
+    return python_module("services.trainer", *base)
+
+
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
     """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
     and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``)."""
@@ -61,7 +72,7 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
         group.start(f"rollout.{agent}", python_module("services.rollout", *base))
         if acfg.train:  # a frozen agent has its rollout (router and engines) only
             group.start(f"buffer.{agent}", python_module("services.buffer", *base))
-            group.start(f"trainer.{agent}", python_module("services.trainer", *base))
+            group.start(f"trainer.{agent}", trainer_command(acfg, base))
     coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
                                                      "--port", str(api_port)))
     api = f"http://{cfg.api.host}:{api_port}"

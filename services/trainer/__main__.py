@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ async def main_async(config: str, agent: str) -> int:
     try:
         policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
     except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: name the field, stop
-        print(f"invalid config {config}: agents.{agent}.{exc}", file=sys.stderr)
+        log.error("invalid config %s: agents.%s.%s", config, agent, exc)
         return 2
     if getattr(policy, "follower", False):  # megatron under torchrun: ranks > 0 run what rank 0 runs
         await asyncio.to_thread(policy.follow)

@@ -4,8 +4,8 @@ The batch is shaped like the demo's (``configs/demo.yaml``: 16 groups of 8 tic-t
 games, GRPO, 2 minibatches): each sample is agent X's real view of a game between two
 scripted random players, rendered with the demo tokenizer's chat template. Tokens per
 second counts every token of every sample (prompt and generated) per pass, as the
-trainer's ``tokens_per_s`` metric does. The backends run one after the other in one
-process on the same batch; ``megatron`` is measured when its package is present.
+trainer's ``tokens_per_s`` metric does. The backends run in one process on the same batch,
+their steps alternating; ``megatron`` is measured when its package is present.
 """
 
 from __future__ import annotations
@@ -46,18 +46,22 @@ def game_view(tokenizer, seed: int, group: int) -> Sample:  # type: ignore[no-un
                   reward=rewards.get("X", 0.0), turn_weight_versions=[0])
 
 
-def measure(backend: str, model_dir: Path, samples: list[Sample], steps: int) -> float:
+def measure(backends: list[str], model_dir: Path, samples: list[Sample], steps: int) -> dict[str, float]:
+    """Median tokens/s per backend; the backends' steps alternate, so a busy machine slows them alike."""
     from services.trainer.backends import make_policy
 
-    acfg = AgentConfig(model_path=str(model_dir), backend=backend,
-                       algorithm=AlgorithmConfig(name="grpo", lr=1e-3, minibatches=2))
-    policy = make_policy(acfg, 1.0)
-    policy.train_step(samples)  # warm-up
-    rates = []
+    policies = {}
+    for backend in backends:
+        acfg = AgentConfig(model_path=str(model_dir), backend=backend,
+                           algorithm=AlgorithmConfig(name="grpo", lr=1e-3, minibatches=2))
+        policies[backend] = make_policy(acfg, 1.0)
+        policies[backend].train_step(samples)  # warm-up
+    rates: dict[str, list[float]] = {b: [] for b in backends}
     for _ in range(steps):
-        policy.version = 0  # keep every sample on-policy, as in the demo's agent A
-        rates.append(policy.train_step(samples)["tokens_per_s"])
-    return statistics.median(rates)
+        for backend, policy in policies.items():
+            policy.version = 0  # keep every sample on-policy, as in the demo's agent A
+            rates[backend].append(policy.train_step(samples)["tokens_per_s"])
+    return {f"{b}_tokens_per_s": statistics.median(r) for b, r in rates.items()}
 
 
 def run(steps: int = 5) -> dict[str, float]:
@@ -69,12 +73,15 @@ def run(steps: int = 5) -> dict[str, float]:
         samples = [game_view(tokenizer, seed=g * 1000 + k, group=g) for g in range(GROUPS) for k in range(GROUP_SIZE)]
         out: dict[str, float] = {"batch_samples": float(len(samples)),
                                  "batch_tokens": float(sum(len(s.tokens) for s in samples))}
-        out["torch_tokens_per_s"] = measure("torch", model_dir, samples, steps)
+        backends = ["torch"]
         try:
             import services.trainer.megatron  # noqa: F401
+            backends.append("megatron")
         except ImportError:
-            return out
-        out["megatron_tokens_per_s"] = measure("megatron", model_dir, samples, steps)
+            pass
+        out.update(measure(backends, model_dir, samples, steps))
+        if "megatron_tokens_per_s" in out:
+            out["megatron_over_torch"] = out["megatron_tokens_per_s"] / out["torch_tokens_per_s"]
         return out
 
 

@@ -6,6 +6,14 @@
 device-compatibility layer used only on machines without a GPU.
 """
 
-from services.trainer.megatron.policy import MegatronPolicy
+import logging
+import warnings
+
+# megatron-core announces at import that it falls back from apex / Transformer Engine to its local
+# implementations; that is the intended setup here (local layer spec), so keep the service log quiet.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+logging.getLogger("megatron.core").setLevel(logging.WARNING)
+
+from services.trainer.megatron.policy import MegatronPolicy  # noqa: E402
 
 __all__ = ["MegatronPolicy"]

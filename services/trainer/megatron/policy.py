@@ -229,7 +229,7 @@ class MegatronPolicy:
         if dp == 1 or not stats:
             return stats
         keys = sorted(stats)
-        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.params[0].device)  # nccl: on GPU
         dist.all_reduce(t, group=ps.get_data_parallel_group(), op=dist.ReduceOp.SUM)
         return {k: float(v) / dp for k, v in zip(keys, t.tolist(), strict=True)}
 
