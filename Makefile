@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/demo.yaml
+# SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
+SGLANG_SPEC ?= sglang==0.5.23
 
 .PHONY: install run test test-fast bench lint clean
 
@@ -16,6 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PIP) install -q --no-deps "$(SGLANG_SPEC)"
 	touch $@
 
 run: install

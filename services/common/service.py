@@ -1,8 +1,10 @@
 """Service plumbing: CLI arguments, logging, signals, and the control stream.
 
 Every service's ``main`` parses ``--config`` (and ``--agent`` where it is
-per-agent), builds a Bus, and runs its loops until SIGTERM/SIGINT or a
-``stop`` command on the control stream.
+per-agent) and ``--health-port``, builds a Bus, and runs its loops until
+SIGTERM/SIGINT or a ``stop`` command on the control stream. With a health port
+(``--health-port`` or ``TANDEM_HEALTH_PORT``; 0 = off) ``run_service`` also
+serves ``GET /health`` for container health checks and Kubernetes probes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from services.common.bus import Bus
+from services.common.health import HealthServer, health_port_from_env
 from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import Control
 
@@ -35,9 +38,24 @@ def parse_args(service: str, per_agent: bool, extra: Callable[[argparse.Argument
     parser.add_argument("--config", required=True, help="experiment YAML")
     if per_agent:
         parser.add_argument("--agent", required=True, help="agent name from the config")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve GET /health on this port (default: $TANDEM_HEALTH_PORT, else 0 = off)")
     if extra:
         extra(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.health_port is None:
+        try:
+            args.health_port = health_port_from_env()
+        except ValueError as exc:
+            parser.error(str(exc))
+    elif not 0 <= args.health_port <= 65535:
+        parser.error(f"--health-port {args.health_port} is outside 0..65535")
+    global _health_port
+    _health_port = args.health_port
+    return args
+
+
+_health_port = 0  # set by parse_args: the services' main() passes it on to run_service implicitly
 
 
 def load_or_exit(path: str, agent: str | None = None) -> TandemConfig:
@@ -75,11 +93,48 @@ async def watch_control(bus: Bus, group: str, stop: asyncio.Event,
     await bus.consume(bus.streams.control, group, group, Control, handle, stop, start="$")
 
 
-async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitable[None]) -> None:
-    """Run the loops until ``stop`` is set, then cancel what is left and close the bus."""
+async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitable[None],
+                      health_port: int | None = None, ready: Callable[[], tuple[bool, str]] | None = None) -> None:
+    """Run the loops until ``stop`` is set, then cancel what is left and close the bus.
+
+    ``health_port`` (default: what ``parse_args`` read; 0 = off) serves ``GET /health``:
+    200 while every loop runs (and ``ready()``, if given, says ``(True, "")``; e.g. a
+    rollout whose engines are up), 503 with the reason otherwise and once the service stops."""
     log = logging.getLogger(f"tandem.{name}")
+    tasks: list[asyncio.Future] = []
+
+    def status() -> tuple[bool, str]:
+        if stop.is_set():
+            return False, "stopping"
+        ended = sum(t.done() for t in tasks)
+        if ended:
+            return False, f"{ended} of {len(tasks)} loops ended"
+        return ready() if ready is not None else (True, "")
+
+    port = _health_port if health_port is None else health_port
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun one process per pod serves it
+        port = 0
+    health = HealthServer(name, status, port=port) if port else None
+    if health is not None:
+        try:
+            await health.start()
+        except OSError as exc:  # e.g. the port is taken: fail at start, naming it, with nothing left running
+            for loop in loops:
+                if asyncio.iscoroutine(loop):
+                    loop.close()
+            await bus.close()
+            raise RuntimeError(f"cannot serve the health endpoint on port {port}: {exc}") from exc
+        log.info("health endpoint on :%d/health", health.port)
     install_signal_handlers(stop)
-    tasks = [asyncio.ensure_future(x) for x in loops]
+    tasks.extend(asyncio.ensure_future(x) for x in loops)
+    try:
+        await _run_loops(log, bus, stop, tasks)
+    finally:
+        if health is not None:
+            await health.close()
+
+
+async def _run_loops(log: logging.Logger, bus: Bus, stop: asyncio.Event, tasks: list[asyncio.Future]) -> None:
     stopper = asyncio.ensure_future(stop.wait())
     done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
     for t in done:

@@ -72,6 +72,15 @@ class AlgorithmConfig(Strict):
         return v
 
 
+class SGLangEngineConfig(Strict):
+    """Arguments of ``python -m sglang.launch_server`` per engine (``engine: sglang``)."""
+
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    base_gpu_id: int = Field(0, ge=0, description="engine i uses GPUs base_gpu_id + i*tp_size ...")
+    extra_args: list[str] = Field(default_factory=list, description="appended to the launch_server command")
+
+
 class LoraConfig(Strict):
     """LoRA adapters (torch backend, peft) on a frozen base; engines receive the merged weights."""
 
@@ -96,6 +105,9 @@ class AgentConfig(Strict):
     engine: Literal["embedded", "sglang"] = "embedded"
     num_engines: int = Field(1, ge=1)
     max_inflight_per_engine: int = Field(64, ge=1)
+    router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
+    engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     groups_per_batch: int = Field(4, ge=1)
     max_staleness: int = Field(0, ge=0)
@@ -104,6 +116,14 @@ class AgentConfig(Strict):
     lora: LoraConfig | None = None
     seed: int = 0
     megatron: MegatronLayout = Field(default_factory=MegatronLayout)
+    train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> AgentConfig:
+        if self.engine_base_port and self.engine_base_port + self.num_engines - 1 > 65535:
+            raise ValueError(f"engine_base_port {self.engine_base_port} + num_engines {self.num_engines} "
+                             "runs past port 65535")
+        return self
 
     @model_validator(mode="after")
     def _lora_backend(self) -> AgentConfig:
@@ -114,7 +134,8 @@ class AgentConfig(Strict):
 
 class EvalConfig(Strict):
     episodes: int = Field(64, ge=0)
-    opponent: str = "random"
+    opponent: str | dict[str, str] = Field("random", description="the env's scripted player for the other "
+                                            "roles, or one per role ({role: player})")
     temperature: float = Field(1.0, ge=0)
 
 
@@ -122,8 +143,11 @@ class EnvironmentConfig(Strict):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
     group_size: int = Field(8, ge=1)
-    roles: dict[str, str] = Field(description="environment role -> agent name")
+    roles: dict[str, str] = Field(description="environment role -> player: an agent name, "
+                                  "'scripted:<player>' (the env's scripted player) or 'pool:<agent>' "
+                                  "(a past weight version of that agent, played in the coordinator)")
     alternate_roles: bool = Field(False, description="rotate the role->agent map every group")
+    pool_size: int = Field(4, ge=1, description="'pool:<agent>' draws from that agent's last pool_size versions")
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @field_validator("name")
@@ -166,10 +190,23 @@ class TandemConfig(Strict):
 
     @model_validator(mode="after")
     def _roles_name_agents(self) -> TandemConfig:
-        for role, agent in self.environment.roles.items():
-            if agent not in self.agents:
-                raise ValueError(f"environment.roles.{role} names agent {agent!r}, "
+        for role, player in self.environment.roles.items():
+            kind, _, rest = player.partition(":") if ":" in player else ("agent", "", player)
+            if kind not in ("agent", "scripted", "pool") or not rest:
+                raise ValueError(f"environment.roles.{role}: {player!r} is not an agent name, "
+                                 "'scripted:<player>' or 'pool:<agent>'")
+            if kind != "scripted" and rest not in self.agents:
+                raise ValueError(f"environment.roles.{role} names agent {rest!r}, "
                                  f"which is not under agents ({', '.join(self.agents)})")
+        if not any(a.train for a in self.agents.values()):
+            raise ValueError("agents: every agent has train: false; at least one must train")
+        trained_in_roles = [p for p in self.environment.roles.values() if p in self.agents and self.agents[p].train]
+        if not trained_in_roles:
+            raise ValueError("environment.roles: no role is played by an agent that trains")
+        idle = [n for n, a in self.agents.items() if a.train and n not in self.environment.roles.values()]
+        if idle:
+            raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment.roles "
+                             "(set train: false or give it a role)")
         return self
 
     def run_dir(self) -> Path:

@@ -145,6 +145,7 @@ EventKind = Literal[
     "batch_released",
     "health",
     "error",
+    "rollout_load",  # rollout → all: queue depth, in-flight bound, per-engine health and load
 ]
 
 

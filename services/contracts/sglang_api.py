@@ -23,6 +23,8 @@ class GenerateSamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     stop: str | list[str] | None = None
     sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: int = Field(1, ge=1, le=64, description="samples per prompt; n > 1 answers with a list")
+    ignore_eos: bool = False
 
 
 class GenerateReqInput(BaseModel):
@@ -47,10 +49,22 @@ class GenerateReqInput(BaseModel):
 
 
 class FinishReason(BaseModel):
+    """SGLang's ``BaseFinishReason.to_json()``: stop {matched}, length {length}, abort {message, ...}."""
+
     type: Literal["stop", "length", "abort"]
     matched: int | str | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+
+class WeightVersionSpan(BaseModel):
+    """SGLang's ``meta_info.weight_versions`` item: output tokens [start, end) came from ``version``."""
+
+    version: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
 
 
 class MetaInfo(BaseModel):
@@ -61,6 +75,8 @@ class MetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     weight_version: str
+    weight_versions: list[WeightVersionSpan] | None = None
+    cached_tokens: int = 0
     # SGLang shape: one [logprob, token_id, token_text_or_None] per output token
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
 
@@ -95,6 +111,21 @@ class AbortReqInput(BaseModel):
     abort_all: bool = False
 
 
+class PauseGenerationReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    torch_empty_cache: bool = True
+
+
 def error_body(message: str, code: int = 400) -> dict[str, Any]:
-    """SGLang-style error object."""
-    return {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": code}
+    """SGLang's error shapes in one object: ``{"error": {"message"}}`` as its native ``/generate``
+    answers, and the OpenAI-style ``{"object": "error", "message", "type", "param", "code"}`` of its
+    other endpoints."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code},
+            "object": "error", "message": message, "type": "BadRequestError", "param": None, "code": code}

@@ -3,22 +3,25 @@
 Each role played by a model keeps a token-exact view: user turns rendered with
 that agent's tokenizer and chat template (loss mask 0), and the generated ids
 exactly as the engine returned them (loss mask 1, with their rollout logprobs
-and weight version). A role may also be played by a scripted player.
+and weight version). A role may also be played by a scripted player, or by fixed weights run
+in-process (``policy:<dir>``: past versions of an opponent pool, ``tandem eval``).
+Per-turn rewards, when an environment gives them, are added to the final ones.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams
 from services.envs.base import Environment
-from services.envs.render import close_assistant_turn, render_user_turn
+from services.envs.render import ChatRenderer
 
 MAX_TURNS = 200
 SCRIPTED = "scripted:"  # a role mapped to "scripted:random" is played without a model
+POLICY = "policy:"  # a role mapped to "policy:<dir>" is played by those weights in-process
 
 Generate = Callable[[GenerateRequest], Awaitable[GenerateReply]]
 
@@ -62,8 +65,8 @@ class EpisodeResult:
     def samples(self, group_size: dict[str, int]) -> list[Sample]:
         out = []
         for role, view in self.views.items():
-            if not any(view.mask):
-                continue
+            if view.agent not in group_size or not any(view.mask):
+                continue  # a frozen or in-process player: not trained
             out.append(Sample(
                 agent=view.agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
                 group_size=group_size[view.agent], tokens=view.tokens, loss_mask=view.mask,
@@ -83,18 +86,23 @@ async def play_episode(
     episode_id: str,
     group_id: str,
     roles: dict[str, str],
-    tokenizers: dict[str, Any],
-    sampling: dict[str, SamplingParams],
+    tokenizers: Mapping[str, Any],
+    sampling: Mapping[str, SamplingParams],
     generate: Generate,
     reply_stream: str,
     purpose: str = "train",
     rng: random.Random | None = None,
 ) -> EpisodeResult:
-    """``roles`` maps each env role to an agent name or ``scripted:<player>``."""
+    """``roles`` maps each env role to a player: an agent name, ``scripted:<player>``, or
+    ``policy:<dir>`` (weights played in-process; ``generate`` routes it by ``request.agent``).
+    ``tokenizers`` and ``sampling`` are keyed by those player names."""
     rng = rng or random.Random(episode_id)
     views = {r: View(agent=a, role=r) for r, a in roles.items() if not a.startswith(SCRIPTED)}
+    renderers = {r: ChatRenderer(tokenizers[a], env.system_prompt(r)) for r, a in roles.items()
+                 if not a.startswith(SCRIPTED)}
     transcript: list[dict[str, Any]] = []
     rewards: dict[str, float] = {}
+    turn_rewards: dict[str, float] = {}
     for turn in range(MAX_TURNS):
         role = env.current_role()
         agent = roles[role]
@@ -102,11 +110,9 @@ async def play_episode(
         if agent.startswith(SCRIPTED):
             text = env.scripted_reply(role, agent[len(SCRIPTED):], rng)
         else:
-            view, tok = views[role], tokenizers[agent]
-            if view.mask and view.mask[-1] == 1:
-                view.add_context(close_assistant_turn(tok, view.tokens))
+            view, renderer = views[role], renderers[role]
             observation = env.observation(role)
-            view.add_context(render_user_turn(tok, observation))
+            view.add_context(renderer.user_turn(observation))
             params = sampling[agent]
             if params.seed is not None:  # a seeded episode: each turn draws from its own seed
                 params = params.model_copy(update={"seed": params.seed + turn})
@@ -116,10 +122,12 @@ async def play_episode(
                 purpose=purpose)
             reply = await generate(request)
             view.add_reply(reply)
-            text = tok.decode(reply.output_ids, skip_special_tokens=True)
+            text = renderer.assistant_turn(reply.output_ids)
             entry.update(observation=observation, weight_version=reply.weight_version,
                          finish_reason=reply.finish_reason, tokens=len(reply.output_ids))
         result = await env.step(role, text)
+        for r, v in result.turn_rewards.items():
+            turn_rewards[r] = turn_rewards.get(r, 0.0) + v
         entry.update(text=text, turn_rewards=result.turn_rewards)
         transcript.append(entry)
         if result.done:
@@ -127,4 +135,6 @@ async def play_episode(
             break
     else:
         rewards = {r: 0.0 for r in roles}
+    for r, v in turn_rewards.items():  # per-turn rewards add to the final one
+        rewards[r] = rewards.get(r, 0.0) + v
     return EpisodeResult(episode_id, group_id, roles, rewards, transcript, views, env.summary(), purpose)

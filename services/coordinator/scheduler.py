@@ -21,9 +21,10 @@ from transformers import AutoTokenizer
 from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
-from services.coordinator.episode import SCRIPTED, EpisodeResult, play_episode
+from services.coordinator.episode import EpisodeResult, play_episode
+from services.coordinator.evaluation import eval_roles, evaluate_player
+from services.coordinator.local_policy import POLICY, LocalPolicies
 from services.coordinator.state import RunState
-from services.envs.base import score_for
 from services.envs.registry import check_environment_config
 
 log = logging.getLogger("tandem.coordinator")
@@ -41,7 +42,12 @@ class Coordinator:
         self.cfg, self.bus, self.name = cfg, bus, name
         self.state = RunState.from_config(cfg)
         self.env_cls = check_environment_config(cfg.environment)
-        self.tokenizers = {a: AutoTokenizer.from_pretrained(c.model_path) for a, c in cfg.agents.items()}
+        self.tokenizers: dict[str, Any] = {a: AutoTokenizer.from_pretrained(c.model_path)
+                                           for a, c in cfg.agents.items()}
+        self.local = LocalPolicies()
+        # opponent pool: each agent's weight versions as they load (version 0 is the start model)
+        self.versions: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
+        self.pool_rng = random.Random(cfg.run.seed)
         self.reply_stream = bus.streams.replies(name)
         self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
         self.changed = asyncio.Condition()
@@ -57,6 +63,8 @@ class Coordinator:
             self.changed.notify_all()
 
     async def generate(self, req: GenerateRequest) -> GenerateReply:
+        if req.agent.startswith(POLICY):
+            return await self.local.generate(req)
         fut: asyncio.Future[GenerateReply] = asyncio.get_running_loop().create_future()
         self.pending[req.id] = fut
         try:
@@ -74,6 +82,9 @@ class Coordinator:
                 fut.set_result(reply)
 
     async def on_event(self, ev: Event) -> None:
+        if ev.kind == "weights_loaded" and ev.agent in self.versions and ev.data.get("path"):
+            if ev.data["path"] not in self.versions[ev.agent]:
+                self.versions[ev.agent].append(str(ev.data["path"]))
         agent = self.state.agents.get(ev.agent or "")
         if agent is None:
             return
@@ -85,6 +96,8 @@ class Coordinator:
         elif ev.kind == "train_step" and ("version" not in ev.data
                                           or all(t.get("version") != ev.data["version"] for t in agent.train_steps)):
             agent.train_steps.append({**finite(ev.data), "time": ev.created_at})  # once per version (re-sends)
+        elif ev.kind == "rollout_load":
+            agent.rollout = dict(ev.data)
         elif ev.kind == "group_done":
             agent.resolve_group(str(ev.data.get("group_id")), "kept" if ev.data.get("kept") else "dropped")
         await self.notify()
@@ -115,6 +128,9 @@ class Coordinator:
                     sampling: dict[str, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
         async with self.slots:
             try:
+                for player in roles.values():
+                    if player.startswith(POLICY) and player not in self.tokenizers:
+                        self.tokenizers[player] = self.local.tokenizer(player[len(POLICY):])
                 result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
                                             self.generate, self.reply_stream, purpose, rng)
             except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
@@ -133,19 +149,34 @@ class Coordinator:
             agents = agents[k:] + agents[:k]
         return dict(zip(roles, agents, strict=True))
 
+    def resolve_pool(self, roles: dict[str, str]) -> dict[str, str]:
+        """``pool:<agent>`` becomes one of that agent's last ``pool_size`` versions, drawn per group."""
+        out = {}
+        for role, player in roles.items():
+            if player.startswith("pool:"):
+                recent = self.versions[player[len("pool:"):]][-self.cfg.environment.pool_size:]
+                player = POLICY + self.pool_rng.choice(recent)
+            out[role] = player
+        return out
+
+    def trained(self, roles: dict[str, str]) -> set[str]:
+        """The agents that train on a group played with ``roles``."""
+        return {p for p in roles.values() if p in self.state.agents}
+
     def may_launch(self, roles: dict[str, str]) -> bool:
-        wanting = [self.state.agents[a] for a in set(roles.values()) if self.state.agents[a].wants_groups()]
+        wanting = [self.state.agents[a] for a in self.trained(roles) if self.state.agents[a].wants_groups()]
         return bool(wanting) and not any(a.blocked_by_staleness() for a in wanting)
 
     async def run_group(self, index: int, roles: dict[str, str]) -> None:
         env_cfg = self.cfg.environment
         group_id = f"g{index:06d}-{new_id()[:8]}"
-        agents = set(roles.values())
+        agents = self.trained(roles)
+        roles = self.resolve_pool(roles)
         emitted: set[str] = set()
         try:
             envs = self.env_cls.make_group(env_cfg.params, self.cfg.run.seed * 1_000_003 + index,
                                            env_cfg.group_size)
-            sampling = {a: c.sampling for a, c in self.cfg.agents.items()}
+            sampling = self.sampling_for(roles)
             results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling) for e in envs))
             done = [r for r in results if r is not None]
             counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask))
@@ -175,7 +206,7 @@ class Coordinator:
                     not self.state.paused and self.may_launch(r)))
             if self.state.stop_requested or self.all_finished():
                 break
-            for agent in set(roles.values()):
+            for agent in self.trained(roles):
                 self.state.agents[agent].in_flight_groups += 1
             task = asyncio.create_task(self.run_group(self.state.groups_launched, roles))
             self.group_tasks.add(task)
@@ -186,32 +217,40 @@ class Coordinator:
         return all(a.finished for a in self.state.agents.values())
 
     # --- evaluation ---------------------------------------------------------
-    async def evaluate(self, agent: str) -> float:
+    async def evaluate(self, agent: str) -> dict[str, Any]:
         env_cfg = self.cfg.environment
         ev = env_cfg.eval
-        roles = list(self.env_cls.roles)
-        base = self.cfg.agents[agent].sampling
-        jobs = []
-        for i in range(ev.episodes):
-            seed = 7_000_000 + 1000 * i  # the same held-out episodes, opponent moves and draws every time
-            sampling = {agent: base.model_copy(update={"temperature": ev.temperature, "seed": seed})}
-            mine = roles[i % len(roles)]
-            mapping = {r: (agent if r == mine else f"{SCRIPTED}{ev.opponent}") for r in roles}
-            env = self.env_cls(env_cfg.params, seed)
-            jobs.append((mine, self._play(env, f"eval-{agent}-{i}", mapping, "eval", sampling,
-                                          random.Random(seed))))
-        results = await asyncio.gather(*(j for _, j in jobs))
-        scores = [score_for(r.rewards, mine) for (mine, _), r in zip(jobs, results, strict=True) if r]
-        return sum(scores) / max(len(scores), 1)
+
+        async def play(env: Any, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
+                       rng: random.Random) -> EpisodeResult | None:
+            return await self._play(env, f"{gid}-{agent}", mapping, "eval", sampling, rng)
+
+        return await evaluate_player(self.env_cls, env_cfg, agent, eval_roles(env_cfg, self.env_cls, agent),
+                                     ev.opponent, ev.episodes, self.cfg.agents[agent].sampling, ev.temperature,
+                                     play)
 
     async def evaluate_all(self, label: str) -> dict[str, float]:
-        names = list(self.cfg.agents)
-        scores = await asyncio.gather(*(self.evaluate(a) for a in names))
-        out = dict(zip(names, scores, strict=True))
+        names = list(self.state.agents)
+        reports = await asyncio.gather(*(self.evaluate(a) for a in names))
+        out = {a: r["score"] for a, r in zip(names, reports, strict=True)}
         self.evals.append({"label": label, "time": time.time(), "scores": out,
+                           "details": dict(zip(names, reports, strict=True)),
                            "versions": {a: self.state.agents[a].loaded_version for a in names}})
-        log.info("eval %s: %s", label, {a: round(s, 3) for a, s in out.items()})
+        log.info("eval %s: %s", label, {a: f"{r['score']:.3f} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
+                                        for a, r in zip(names, reports, strict=True)})
         return out
+
+    def sampling_for(self, roles: dict[str, str]) -> dict[str, SamplingParams]:
+        """Sampling per player; an in-process past version samples like the agent it came from."""
+        out = {a: c.sampling for a, c in self.cfg.agents.items()}
+        for player in roles.values():
+            if player.startswith(POLICY):
+                out[player] = self.cfg.agents[self._pool_owner(player)].sampling
+        return out
+
+    def _pool_owner(self, player: str) -> str:
+        path = player[len(POLICY):]
+        return next((a for a, vs in self.versions.items() if path in vs), next(iter(self.cfg.agents)))
 
     # --- the run ------------------------------------------------------------
     async def run(self) -> None:

@@ -35,6 +35,7 @@ class AgentState:
     eval_start: float | None = None
     eval_end: float | None = None
     group_status: dict[str, str] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout_load event's data
 
     def resolve_group(self, group_id: str, outcome: str) -> None:
         """Apply a group's outcome ("kept", "dropped", "empty") once; repeats are ignored.
@@ -87,7 +88,7 @@ class RunState:
     def from_config(cls, cfg: TandemConfig) -> RunState:
         agents = {
             name: AgentState(name, a.groups_per_batch, a.max_staleness, cfg.run.total_steps)
-            for name, a in cfg.agents.items()
+            for name, a in cfg.agents.items() if a.train  # a frozen agent has no state to track
         }
         return cls(cfg=cfg, agents=agents)
 
@@ -115,6 +116,7 @@ class RunState:
                 "eval_start": a.eval_start,
                 "eval_end": a.eval_end,
                 "max_staleness": a.max_staleness,
+                "rollout": a.rollout,
             }
         return {
             "run": self.cfg.run.name,

@@ -1,12 +1,22 @@
-"""The embedded engine's core: one model, one worker thread, batched decoding.
+"""The embedded engine's core: one model, one worker thread, continuous batching.
 
-The worker thread owns the model. Each round it runs pending control operations (weight loads),
-then takes the queued requests (up to ``max_batch``) and decodes them as ONE batch: left-padded
-prompts, attention mask, explicit position ids, KV cache, per-row temperature / top-p / top-k /
-max_new_tokens / stop tokens (EOS always stops) / seed. A request thus runs wholly on one weight
-version. A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``),
-as a trainer's full-sequence forward computes it. Async callers await an asyncio future that the
-worker resolves through ``loop.call_soon_threadsafe``.
+The worker thread owns the model and loops step by step. Each step it
+1. runs a pending weight load when it may (see below);
+2. admits queued requests into the running batch (up to ``max_batch`` rows): their prompts are
+   prefilled together (left-padded, explicit position ids) and their KV cache is merged into the
+   running batch's cache (both left-padded to one length, all-padding columns dropped);
+3. decodes one token for every running row, samples per row (temperature, top-p, top-k, its own
+   seeded generator) and lets finished rows leave the batch (their cache rows are dropped).
+
+A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``), as
+the trainer's full-sequence forward computes it; top-p / top-k only restrict what may be drawn.
+
+Weight updates (``/update_weights_from_disk``) follow SGLang: when generation is not paused, the
+load waits until the running requests have finished and admits nothing new meanwhile, so every
+request runs wholly on one version. When generation is paused (``in_place``), the load happens at
+once and the running requests go on with the new weights after ``/continue_generation``; each
+request records the token counts at which its version changed, reported as SGLang's
+``meta_info.weight_versions`` spans ``[{"version", "start", "end"}]``.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +35,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from services.engine.batch import RunningBatch
 
 log = logging.getLogger("tandem.engine")
 _GREEDY_BELOW = 1e-6  # as in SGLang: a lower temperature means greedy, logprobs of T = 1
@@ -51,7 +64,7 @@ class _Completion:
 
 @dataclass
 class GenRequest:
-    """One generation request and, once done, its result."""
+    """One generation request (one sample) and, once done, its result."""
 
     rid: str
     input_ids: list[int]
@@ -62,16 +75,34 @@ class GenRequest:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
-    weight_version: int = -1
+    weight_version: int = -1  # the version of the last token (SGLang's meta_info.weight_version)
+    version_events: list[tuple[int, int]] = field(default_factory=list)  # (old version, tokens made on it)
     aborted: bool = False
     done: _Completion | None = field(default=None, repr=False)
+    gen: torch.Generator | None = field(default=None, repr=False)
+
+    def weight_version_spans(self) -> list[dict[str, Any]]:
+        """SGLang's ``meta_info.weight_versions``: which version produced which output tokens."""
+        n = len(self.output_ids)
+        spans: list[dict[str, Any]] = []
+        for version, end in [*self.version_events, (self.weight_version, n)]:
+            end = min(end, n)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and spans[-1]["version"] == str(version):
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": str(version), "start": spans[-1]["end"] if spans else 0, "end": end})
+        return spans
 
 
-def _finish_abort(r: GenRequest) -> None:
-    r.finish = r.finish or {"type": "abort", "message": f"request {r.rid} aborted"}
+def _finish_abort(r: GenRequest, message: str | None = None) -> None:
+    r.finish = r.finish or {"type": "abort", "message": message or f"request {r.rid} aborted",
+                            "status_code": None, "err_type": None}
 
 
 class Engine:
@@ -93,15 +124,22 @@ class Engine:
         self.max_batch = max(1, int(max_batch))
         self._cv = threading.Condition()
         self._queue: list[GenRequest] = []
-        self._running: list[GenRequest] = []
+        self._batch = RunningBatch()
         self._ops: list[tuple[Callable[[], Any], _Completion]] = []
         self.paused = False
         self._stopped = False
+        self.last_step_at = time.monotonic()
+        # decode steps; requests that joined a running batch; requests that left while others ran on
+        self.stats = {"decode_steps": 0, "joined_running": 0, "left_running": 0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
+    # ----- entry points (any thread / the event loop) -----
+
     def check(self, req: GenRequest) -> None:
         """Raise EngineError when the request cannot be served."""
+        if not req.input_ids:
+            raise EngineError("input_ids is empty")
         bad = [t for t in [*req.input_ids, *req.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineError(f"token id {bad[0]} out of vocabulary (size {self.vocab_size})")
@@ -118,13 +156,13 @@ class Engine:
         try:
             return await req.done.future
         except asyncio.CancelledError:
-            req.aborted = True  # the client went away: free its batch row
+            req.aborted = True  # the client went away: its row leaves the batch at the next step
             with self._cv, contextlib.suppress(ValueError):
                 self._queue.remove(req)
             raise
 
     async def run_op(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the worker thread between two batches."""
+        """Run ``fn`` on the worker thread once no request is running (or at once while paused)."""
         done = _Completion()
         with self._cv:
             self._ops.append((fn, done))
@@ -139,24 +177,28 @@ class Engine:
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Abort queued and running requests by rid (or all); returns how many."""
         with self._cv:
-            hit = [r for r in self._queue + self._running if abort_all or r.rid == rid]
+            hit = [r for r in self._queue + self._batch.rows + self._batch.joining if abort_all or r.rid == rid]
             for r in hit:
                 r.aborted = True
                 if r in self._queue and r.done is not None:  # queued: answer now; running: at next step
                     self._queue.remove(r)
                     _finish_abort(r)
                     r.done.resolve(r)
+            self._cv.notify_all()
         return len(hit)
 
-    def set_paused(self, paused: bool) -> None:
-        """Paused: queued and new requests wait; a running batch finishes; weight loads still run."""
+    def set_paused(self, paused: bool, mode: str = "in_place") -> int:
+        """Pause (``abort``: abort everything first; ``in_place``/``retract``: running requests stay
+        in the batch, frozen) or continue. Weight loads run while paused. Returns requests aborted."""
+        aborted = self.abort(abort_all=True) if paused and mode == "abort" else 0
         with self._cv:
             self.paused = paused
             self._cv.notify_all()
+        return aborted
 
     def load(self) -> dict[str, int]:
         with self._cv:
-            reqs = self._queue + self._running
+            reqs = self._queue + self._batch.rows + self._batch.joining
             tokens = sum(len(r.input_ids) + len(r.output_ids) for r in reqs)
             return {"num_reqs": len(reqs), "num_waiting_reqs": len(self._queue), "num_tokens": tokens}
 
@@ -166,38 +208,176 @@ class Engine:
             self._cv.notify_all()
         self._thread.join(timeout=10)
 
+    # ----- the worker thread -----
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self._ops and (self.paused or not self._queue):
+                while not self._stopped and not self._ops and not self._batch.rows and (
+                        self.paused or not self._queue):
                     self._cv.wait()
                 if self._stopped:
+                    self._fail_all("engine stopped")
                     return
-                ops, self._ops = self._ops, []
-                batch: list[GenRequest] = []
-                if not ops:
-                    batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
-                    self._running = batch
+                ops = []
+                if self._ops and (self.paused or not self._batch.rows):
+                    ops, self._ops = self._ops, []
+                admit: list[GenRequest] = []
+                if not self.paused and not self._ops and not ops:
+                    room = self.max_batch - len(self._batch.rows)
+                    admit, self._queue = self._queue[:room], self._queue[room:]
+                    self._batch.joining = admit
+                idle = self.paused and not ops and not admit
+                if idle:  # paused with rows frozen in the batch: wait for continue, an op, an abort
+                    self._cv.wait(timeout=0.5)
             for fn, done in ops:
                 try:
-                    done.resolve(fn())
+                    done.resolve(self._run_op(fn))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller, the engine goes on
                     done.resolve(exc=exc)
-            if not batch:
+            if idle and not self._drop_aborted():
                 continue
             try:
-                self._generate(batch)
+                self._step(admit)
             except Exception as exc:
-                log.exception("batch of %d failed", len(batch))
-                for r in batch:
-                    if r.finish is None:
-                        r.finish = {"type": "abort", "message": f"engine error: {exc}"}
-            finally:
-                with self._cv:
-                    self._running = []
-                for r in batch:
-                    if r.done is not None:
-                        r.done.resolve(r)
+                log.exception("step failed; aborting the %d running request(s)", len(self._batch.rows))
+                self._fail_all(f"engine error: {exc}", also=admit)
+
+    def _run_op(self, fn: Callable[[], Any]) -> Any:
+        old = self.weight_version
+        result = fn()
+        if self.weight_version != old:  # loaded while paused in place: record the switch per request
+            for r in self._batch.rows:
+                if r.output_ids:
+                    r.version_events.append((old, len(r.output_ids)))
+                r.weight_version = self.weight_version
+        return result
+
+    def _fail_all(self, message: str, also: list[GenRequest] | None = None) -> None:
+        rows = [*self._batch.rows, *(also or [])]
+        with self._cv:
+            rows += self._queue if self._stopped else []
+            self._batch = RunningBatch()
+        for r in rows:
+            _finish_abort(r, message)
+            if r.done is not None:
+                r.done.resolve(r)
+
+    def _drop_aborted(self) -> bool:
+        gone = [i for i, r in enumerate(self._batch.rows) if r.aborted]
+        for i in gone:
+            _finish_abort(self._batch.rows[i])
+        self._leave(gone)
+        return bool(gone)
+
+    def _leave(self, idx: list[int]) -> None:
+        if not idx:
+            return
+        with self._cv:
+            left = self._batch.remove(idx)
+            self.stats["left_running"] += len(left) if self._batch.rows else 0
+        for r in left:
+            if r.done is not None:
+                r.done.resolve(r)
+
+    @torch.inference_mode()
+    def _step(self, admit: list[GenRequest]) -> None:
+        if admit:
+            self._prefill(admit)
+        self._drop_aborted()
+        if not self._batch.rows or self.paused:
+            return
+        b = self._batch
+        out = self.model(input_ids=b.last_tokens[:, None], attention_mask=b.decode_mask(),
+                         position_ids=b.next_pos[:, None], past_key_values=b.cache, use_cache=True)
+        b.advance()
+        self.stats["decode_steps"] += 1
+        self.last_step_at = time.monotonic()
+        self._take(b.rows, out.logits[:, -1, :].float(), all_rows=True)
+
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        live = []
+        for r in reqs:
+            r.weight_version = self.weight_version
+            r.gen = torch.Generator().manual_seed(r.seed if r.seed is not None else random.getrandbits(62))
+            if r.aborted:
+                _finish_abort(r)
+            elif r.max_new_tokens <= 0:
+                r.finish = {"type": "length", "length": 0}
+            else:
+                live.append(r)
+        for r in reqs:
+            if r.finish is not None and r.done is not None:
+                r.done.resolve(r)
+        if not live:
+            with self._cv:
+                self._batch.joining = []
+            return
+        width = max(len(r.input_ids) for r in live)
+        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(live), width), dtype=torch.long)
+        for i, r in enumerate(live):
+            ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids, dtype=torch.long)
+            mask[i, width - len(r.input_ids):] = 1
+        pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        toks, lps = self._sample(out.logits[:, -1, :].float(), live)
+        with self._cv:
+            self.stats["joined_running"] += len(live) if self._batch.rows else 0
+            self._batch.join(live, out.past_key_values, mask, pos[:, -1] + 1, torch.tensor(toks))
+        start = len(self._batch.rows) - len(live)
+        self._record(list(range(start, start + len(live))), toks, lps)
+
+    def _take(self, rows: list[GenRequest], logits: torch.Tensor, all_rows: bool) -> None:
+        toks, lps = self._sample(logits, rows)
+        self._batch.last_tokens = torch.tensor(toks)
+        self._record(list(range(len(rows))), toks, lps)
+
+    def _record(self, idx: list[int], toks: list[int], lps: list[float]) -> None:
+        """Append each row's sampled token; rows that finish leave the batch."""
+        finished = []
+        for i, tok, lp in zip(idx, toks, lps, strict=True):
+            r = self._batch.rows[i]
+            if r.aborted:
+                _finish_abort(r)
+            else:
+                r.output_ids.append(tok)
+                r.logprobs.append(lp)
+                if tok in r.stop_token_ids or (tok in self.eos_ids and not r.ignore_eos):
+                    r.finish = {"type": "stop", "matched": tok}
+                elif r.stop_strings and (hit := self._stop_string(r)) is not None:
+                    r.finish = {"type": "stop", "matched": hit}
+                elif len(r.output_ids) >= r.max_new_tokens:
+                    r.finish = {"type": "length", "length": len(r.output_ids)}
+            if r.finish is not None:
+                finished.append(i)
+        self._leave(finished)
+
+    def _sample(self, logits: torch.Tensor, rows: list[GenRequest]) -> tuple[list[int], list[float]]:
+        temps = torch.tensor([r.temperature if r.temperature >= _GREEDY_BELOW else 1.0 for r in rows])
+        greedy = torch.tensor([r.temperature < _GREEDY_BELOW for r in rows])
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        tok = logp.argmax(dim=-1)
+        if not bool(greedy.all()):
+            vocab = logp.shape[-1]
+            sorted_lp, order = logp.sort(dim=-1, descending=True)
+            probs = sorted_lp.exp()
+            ks = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows])
+            top_p = torch.tensor([r.top_p for r in rows])
+            keep = torch.arange(vocab)[None, :] < ks[:, None]
+            keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+            cdf = (probs * keep).cumsum(dim=-1)
+            u = torch.stack([torch.rand((), generator=r.gen) for r in rows]) * cdf[:, -1]
+            idx = torch.searchsorted(cdf, u[:, None].contiguous(), right=True)
+            idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
+            tok = torch.where(greedy, tok, order.gather(1, idx).squeeze(1))
+        lp = logp.gather(1, tok[:, None]).squeeze(1)
+        return tok.tolist(), lp.tolist()
+
+    def _stop_string(self, r: GenRequest) -> str | None:
+        tail = self.tokenizer.decode(r.output_ids[-64:])
+        return next((s for s in r.stop_strings if s and s in tail), None)
 
     def _load_weights(self, model_path: str, version: int | None) -> int:
         files = sorted(Path(model_path).glob("*.safetensors"))
@@ -223,78 +403,3 @@ class Engine:
         self.weight_version = int(version) if version is not None else self.weight_version + 1
         log.info("loaded weights from %s as version %d", model_path, self.weight_version)
         return self.weight_version
-
-    def _sample(self, logits: torch.Tensor, rows: list[GenRequest],
-                gens: list[torch.Generator]) -> tuple[list[int], list[float]]:
-        temps = torch.tensor([r.temperature if r.temperature >= _GREEDY_BELOW else 1.0 for r in rows])
-        greedy = torch.tensor([r.temperature < _GREEDY_BELOW for r in rows])
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        tok = logp.argmax(dim=-1)
-        if not bool(greedy.all()):
-            vocab = logp.shape[-1]
-            sorted_lp, order = logp.sort(dim=-1, descending=True)
-            probs = sorted_lp.exp()
-            ks = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows])
-            top_p = torch.tensor([r.top_p for r in rows])
-            keep = torch.arange(vocab)[None, :] < ks[:, None]
-            keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
-            cdf = (probs * keep).cumsum(dim=-1)
-            u = torch.stack([torch.rand((), generator=g) for g in gens]) * cdf[:, -1]
-            idx = torch.searchsorted(cdf, u[:, None].contiguous(), right=True)
-            idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
-            tok = torch.where(greedy, tok, order.gather(1, idx).squeeze(1))
-        lp = logp.gather(1, tok[:, None]).squeeze(1)
-        return tok.tolist(), lp.tolist()
-
-    @torch.inference_mode()
-    def _generate(self, batch: list[GenRequest]) -> None:
-        for r in batch:
-            r.weight_version = self.weight_version
-            if r.aborted:
-                _finish_abort(r)
-            elif r.max_new_tokens <= 0:
-                r.finish = {"type": "length", "length": 0}
-        rows = [r for r in batch if r.finish is None]
-        if not rows:
-            return
-        n, width = len(rows), max(len(r.input_ids) for r in rows)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids, dtype=torch.long)
-            mask[i, width - len(r.input_ids):] = 1
-        pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        gens = [torch.Generator().manual_seed(r.seed if r.seed is not None else random.getrandbits(62))
-                for r in rows]
-        stops = [r.stop_token_ids | self.eos_ids for r in rows]
-        active = [True] * n
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=DynamicCache(), use_cache=True)
-        next_pos = pos[:, -1:] + 1
-        while True:
-            toks, lps = self._sample(out.logits[:, -1, :].float(), rows, gens)
-            for i, r in enumerate(rows):
-                if not active[i]:
-                    continue
-                if r.aborted:
-                    _finish_abort(r)
-                else:
-                    r.output_ids.append(toks[i])
-                    r.logprobs.append(lps[i])
-                    if toks[i] in stops[i]:
-                        r.finish = {"type": "stop", "matched": toks[i]}
-                    elif r.stop_strings and (hit := self._stop_string(r)) is not None:
-                        r.finish = {"type": "stop", "matched": hit}
-                    elif len(r.output_ids) >= r.max_new_tokens:
-                        r.finish = {"type": "length", "length": len(r.output_ids)}
-                active[i] = r.finish is None
-            if not any(active):
-                return
-            feed = torch.tensor([t if a else self.pad_id for t, a in zip(toks, active, strict=True)])
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=out.past_key_values, use_cache=True)
-            next_pos = next_pos + 1
-
-    def _stop_string(self, r: GenRequest) -> str | None:
-        return next((s for s in r.stop_strings if s and s in self.tokenizer.decode(r.output_ids)), None)

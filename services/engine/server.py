@@ -7,7 +7,7 @@ and returns a FastAPI app serving ``/health``, ``/health_generate``,
 ``/flush_cache``, ``/pause_generation``, ``/continue_generation`` and
 ``/abort_request``. The ``model_info``/``server_info`` aliases and ``/get_load``
 are what the SGLang router (sglang-router 0.3.2) reads when it registers and
-load-monitors a worker (see ``services/rollout/router.py``).
+load-monitors a worker (see ``services/common/sglang_router.py``).
 
 Bad input is answered 400 with SGLang's error object (``error_body``), never
 a 500. The router adds a few SGLang fields of its own to every ``/generate``
@@ -33,8 +33,10 @@ from pydantic import BaseModel, ValidationError
 
 from services.contracts.sglang_api import (
     AbortReqInput,
+    ContinueGenerationReqInput,
     GenerateReqInput,
     GenerateReqOutput,
+    PauseGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     error_body,
@@ -127,6 +129,8 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if engine.load()["num_reqs"] and time.monotonic() - engine.last_step_at < 5.0:
+            return Response(status_code=200)  # as SGLang: busy and making progress is healthy
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[engine.pad_id], temperature=0.0,
                          max_new_tokens=1)
         try:
@@ -148,6 +152,26 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": str(engine.weight_version)}
 
+    def reply(req: GenRequest, req_in: GenerateReqInput, prompt_len: int, start: float,
+              with_text: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid, "finish_reason": req.finish, "prompt_tokens": prompt_len,
+            "completion_tokens": len(req.output_ids), "cached_tokens": 0,
+            "weight_version": str(req.weight_version), "weight_versions": req.weight_version_spans(),
+            "e2e_latency": time.perf_counter() - start,
+        }
+        if engine_id is not None:
+            meta["engine"] = engine_id
+        if req_in.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, engine.tokenizer.decode([t]) if with_text else None]
+                for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
+        text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        out = GenerateReqOutput.model_validate({"text": text, "output_ids": req.output_ids, "meta_info": meta})
+        body = out.model_dump(mode="json", exclude_none=True)
+        body["meta_info"]["finish_reason"] = req.finish  # SGLang's to_json(): every key, None included
+        return body
+
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
         req_in: GenerateReqInput = await _parse(request, GenerateReqInput)
@@ -158,30 +182,17 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
             if not ids:
                 raise EngineError("text tokenizes to no tokens")
         stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
-        req = GenRequest(rid=req_in.rid or uuid.uuid4().hex, input_ids=ids, temperature=sp.temperature,
-                         top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
-                         stop_token_ids=frozenset(sp.stop_token_ids or ()), stop_strings=stop,
-                         seed=sp.sampling_seed)
+        rid = req_in.rid or uuid.uuid4().hex
+        reqs = [GenRequest(rid=rid if sp.n == 1 else f"{rid}-{i}", input_ids=list(ids), temperature=sp.temperature,
+                           top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
+                           stop_token_ids=frozenset(sp.stop_token_ids or ()), stop_strings=stop,
+                           seed=None if sp.sampling_seed is None else sp.sampling_seed + i, ignore_eos=sp.ignore_eos)
+                for i in range(sp.n)]
         start = time.perf_counter()
-        await engine.generate(req)
-        meta: dict[str, Any] = {
-            "id": req.rid, "finish_reason": req.finish, "prompt_tokens": len(ids),
-            "completion_tokens": len(req.output_ids), "cached_tokens": 0,
-            "weight_version": str(req.weight_version), "e2e_latency": time.perf_counter() - start,
-        }
-        if engine_id is not None:
-            meta["engine"] = engine_id
-        if req_in.return_logprob:
-            with_text = request.state.text_in_logprobs
-            meta["output_token_logprobs"] = [
-                [lp, t, engine.tokenizer.decode([t]) if with_text else None]
-                for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
-        text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        out = GenerateReqOutput.model_validate(
-            {"text": text, "output_ids": req.output_ids, "meta_info": meta})
-        reply = out.model_dump(mode="json")
-        reply["meta_info"]["finish_reason"] = out.meta_info.finish_reason.model_dump(exclude_none=True)
-        return JSONResponse(reply)
+        await asyncio.gather(*(engine.generate(r) for r in reqs))
+        with_text = request.state.text_in_logprobs
+        outs = [reply(r, req_in, len(ids), start, with_text) for r in reqs]
+        return JSONResponse(outs[0] if sp.n == 1 else outs)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -192,28 +203,39 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
                 version = int(body.weight_version)
             except ValueError:
                 raise EngineError(f"weight_version must be an integer, got {body.weight_version!r}") from None
+        paused = engine.load()["num_reqs"] if engine.paused else 0
         try:
             loaded = await engine.update_weights(body.model_path, version, body.abort_all_requests)
         except EngineError as exc:  # a bad checkpoint: the live model is left as it was
             out = UpdateWeightFromDiskReqOutput(success=False, message=f"failed to load weights: {exc}")
             return JSONResponse(out.model_dump(), status_code=400)
-        out = UpdateWeightFromDiskReqOutput(success=True,
+        out = UpdateWeightFromDiskReqOutput(success=True, num_paused_requests=paused,
                                             message=f"loaded {body.model_path} as version {loaded}")
         return JSONResponse(out.model_dump())
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        return PlainTextResponse("Cache flushed.")  # no cache survives a request here
+        # As SGLang: not performed while requests run or wait. Nothing else to flush: a finished
+        # request's KV rows leave the batch with it (no prefix cache is kept across requests).
+        busy = engine.load()["num_reqs"]
+        if busy:
+            return PlainTextResponse(f"Cache not flushed: {busy} request(s) running or waiting.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    async def _optional(request: Request, model: type[BaseModel]) -> Any:
+        return model() if not (await request.body()).strip() else await _parse(request, model)
 
     @app.post("/pause_generation")
-    async def pause_generation() -> dict[str, Any]:
-        engine.set_paused(True)
-        return {"success": True, "message": "generation paused"}
+    async def pause_generation(request: Request) -> dict[str, Any]:
+        body: PauseGenerationReqInput = await _optional(request, PauseGenerationReqInput)
+        aborted = engine.set_paused(True, body.mode)
+        return {"message": "Generation paused successfully.", "status": "ok", "num_aborted": aborted}
 
     @app.post("/continue_generation")
-    async def continue_generation() -> dict[str, Any]:
+    async def continue_generation(request: Request) -> dict[str, Any]:
+        await _optional(request, ContinueGenerationReqInput)
         engine.set_paused(False)
-        return {"success": True, "message": "generation continued"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:

@@ -5,7 +5,9 @@ whose turn it is, gives it the acting role's new observation (text the role
 sees since its last turn), passes that role's reply, and at the end reads the
 per-role rewards. ``make_group`` builds the G copies that share a GRPO
 baseline (same seed, so the same start). ``scripted_reply`` plays a role
-without a model (evaluation opponents, tests).
+without a model (evaluation opponents, tests, ``scripted:<player>`` roles).
+Per-turn rewards (``StepResult.turn_rewards``) are optional; the coordinator
+adds them to the final rewards.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class Environment(ABC):
     @abstractmethod
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         """A reply for ``role`` by the scripted ``player`` (one of scripted_players)."""
+
+    def system_prompt(self, role: str) -> str | None:
+        """An optional system message for ``role``'s chat (rendered by its agent's template)."""
+        return None
 
     def summary(self) -> dict[str, Any]:
         """A small JSON-able description of the episode's state/outcome."""

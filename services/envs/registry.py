@@ -9,6 +9,16 @@ from services.envs.base import Environment, EnvParamError
 
 BUILTINS: dict[str, str] = {
     "tictactoe": "services.envs.tictactoe:TicTacToe",
+    "guess_number": "services.envs.guess_number:GuessNumber",
+    "twenty_questions": "services.envs.twenty_questions:TwentyQuestions",
+    "answer_then_answer": "services.envs.answer_then_answer:AnswerThenAnswer",
+    "debate": "services.envs.debate:Debate",
+    "doctor_patient": "services.envs.doctor_patient:DoctorPatient",
+    "math": "services.envs.math_tasks:Math",
+    "math_critic": "services.envs.math_tasks:MathCritic",
+    "code": "services.envs.code_tasks:Code",
+    "code_critic": "services.envs.code_tasks:CodeCritic",
+    "textarena": "services.envs.textarena_adapter:TextArena",
 }
 
 
@@ -54,7 +64,28 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
     if missing or extra:
         raise ValueError(f"environment.roles: {env_cls.__name__} has roles {list(env_cls.roles)}; "
                          f"missing {missing}, unknown {extra}")
-    if env_cfg.eval.episodes and env_cfg.eval.opponent not in env_cls.scripted_players:
-        raise ValueError(f"environment.eval.opponent: {env_cfg.eval.opponent!r} is not one of "
-                         f"{list(env_cls.scripted_players)}")
+    for role, player in env_cfg.roles.items():
+        if player.startswith("scripted:") and player[len("scripted:"):] not in env_cls.scripted_players:
+            raise ValueError(f"environment.roles.{role}: scripted player {player[len('scripted:'):]!r} is not "
+                             f"one of {env_cls.__name__}'s {list(env_cls.scripted_players)}")
+    opponent = env_cfg.eval.opponent
+    if env_cfg.eval.episodes:
+        per_role = opponent if isinstance(opponent, dict) else {r: opponent for r in env_cls.roles}
+        for role, player in per_role.items():
+            where = "environment.eval.opponent" + (f".{role}" if isinstance(opponent, dict) else "")
+            if role not in env_cls.roles:
+                raise ValueError(f"{where}: {env_cls.__name__} has no role {role!r} ({list(env_cls.roles)})")
+            if player not in env_cls.scripted_players:
+                raise ValueError(f"{where}: {player!r} is not one of {list(env_cls.scripted_players)}")
     return env_cls
+
+
+def describe_environments() -> str:
+    """One line per built-in: name, roles, scripted players and description."""
+    lines = []
+    for name in BUILTINS:
+        cls = load_environment(name)
+        lines.append(f"{name:<20} roles: {', '.join(cls.roles):<24} scripted: {', '.join(cls.scripted_players)}")
+        lines.append(f"{'':<20} {cls.description}")
+    lines.append("plug-ins: any package.module:Class subclass of services.envs.base.Environment")
+    return "\n".join(lines)

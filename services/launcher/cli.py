@@ -1,4 +1,4 @@
-"""``tandem`` command line: ``up``, ``validate``, ``init-demo``."""
+"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,20 @@ def main(argv: list[str] | None = None) -> None:
     p_demo = sub.add_parser("init-demo", help="create and warm-start the demo model (skipped if present)")
     p_demo.add_argument("out_dir", nargs="?", default="models/demo-ttt")
     p_demo.add_argument("--force", action="store_true")
+    sub.add_parser("envs", help="list the registered environments with their roles")
+    sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
+                   add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # the coordinator's evaluation runs it (services do not import each other)
+        import subprocess
+
+        raise SystemExit(subprocess.call([sys.executable, "-m", "services.coordinator.offline_eval", *argv[1:]]))
     args = parser.parse_args(argv)
+    if args.command == "envs":
+        from services.envs.registry import describe_environments
+
+        print(describe_environments())
+        return
 
     if args.command == "init-demo":
         from pathlib import Path

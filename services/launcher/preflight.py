@@ -31,5 +31,11 @@ def preflight(cfg: TandemConfig, source: str) -> None:
         if not (path / "config.json").is_file():
             hint = " (run `tandem init-demo` to create the demo model)" if "demo" in path.name else ""
             problems.append(f"agents.{name}.model_path: {path} is not a model directory{hint}")
+        if agent.router_port and not port_is_free("127.0.0.1", agent.router_port):
+            problems.append(f"agents.{name}.router_port: {agent.router_port} is in use (0 picks a free port)")
+        base = agent.engine_base_port
+        busy = [p for p in range(base, base + agent.num_engines) if base and not port_is_free("127.0.0.1", p)]
+        if busy:
+            problems.append(f"agents.{name}.engine_base_port: port(s) {busy} in use (0 picks free ports)")
     if problems:
         raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(problems))

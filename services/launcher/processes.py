@@ -118,6 +118,7 @@ def python_module(module: str, *args: str) -> list[str]:
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("TANDEM_HEALTH_PORT", None)  # one port per container; here every service shares the host
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                 "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})

@@ -1,8 +1,8 @@
 """``tandem up CONFIG``: embedded Redis and every service as child processes.
 
-Order: Redis (embedded unless the config names one) → per agent the engines,
-the real SGLang router in front of them, rollout, buffer, trainer → the
-coordinator. It shows progress from the coordinator's ``/v1/status``, and
+Order: Redis (embedded unless the config names one) → per agent the rollout
+(which starts the agent's real SGLang router and engines itself), buffer and
+trainer → the coordinator. It shows progress from the coordinator's ``/v1/status``, and
 stops everything on Ctrl-C, when the run ends, or when any child dies (the
 dead child is named and the exit code is non-zero).
 """
@@ -23,9 +23,8 @@ from rich.live import Live
 from rich.table import Table
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
-from services.common.sglang_router import router_command
 from services.contracts.config import AgentConfig, TandemConfig
-from services.launcher.processes import Child, ProcessGroup, child_env, python_module
+from services.launcher.processes import ProcessGroup, child_env, python_module
 
 
 def status_table(status: dict | None) -> Table:
@@ -65,33 +64,16 @@ def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
 
 
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
-    """Start every service, the slow starters in parallel; return the control API URL."""
-    engines: dict[str, list[tuple[str, Child]]] = {}
+    """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
+    and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``)."""
     for agent, acfg in cfg.agents.items():
-        if acfg.engine != "embedded":
-            raise RuntimeError(f"agents.{agent}.engine: the local launcher runs embedded engines; "
-                               "use docker compose or Kubernetes for sglang")
-        for i in range(acfg.num_engines):
-            port = free_port()
-            child = group.start(f"engine.{agent}{i}", python_module(
-                "services.engine", "--model-path", acfg.model_path, "--port", str(port),
-                "--engine-id", f"{agent}-{i}"))
-            engines.setdefault(agent, []).append((f"http://127.0.0.1:{port}", child))
-    for agent in cfg.agents:
         base = ["--config", config_path, "--agent", agent]
-        group.start(f"buffer.{agent}", python_module("services.buffer", *base))
-        group.start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base))
+        group.start(f"rollout.{agent}", python_module("services.rollout", *base))
+        if acfg.train:  # a frozen agent has its rollout (router and engines) only
+            group.start(f"buffer.{agent}", python_module("services.buffer", *base))
+            group.start(f"trainer.{agent}", trainer_command(acfg, base))
     coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
                                                      "--port", str(api_port)))
-    for agent, started in engines.items():
-        for url, child in started:
-            group.wait_http(f"{url}/health", child)
-        rport = free_port()
-        router = group.start(f"router.{agent}", router_command(rport, [u for u, _ in started]))
-        router_url = f"http://127.0.0.1:{rport}"
-        group.wait_http(f"{router_url}/health", router)
-        group.start(f"rollout.{agent}", python_module("services.rollout", "--config", config_path,
-                                                      "--agent", agent, "--router", router_url))
     api = f"http://{cfg.api.host}:{api_port}"
     group.wait_http(f"{api}/health", coord, timeout=180)
     return api

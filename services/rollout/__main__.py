@@ -1,32 +1,48 @@
-"""Rollout entry point: ``python -m services.rollout --config C --agent A --router URL``.
+"""Rollout entry point: ``python -m services.rollout --config C --agent A [--router URL]``.
 
-Two loops: generation requests from ``turns:{agent}`` go to the agent's SGLang
-router (``/generate`` with input_ids, sampling_params, return_logprob) and the
-token-exact reply goes to the requester's reply stream; new weights from
-``weights:{agent}`` are loaded on every engine the router knows, after which
-a ``weights_loaded`` event is published.
+Without ``--router`` the rollout owns its engines: it starts the real SGLang router and the
+agent's ``num_engines`` engines as child processes, registers them at run time, health-checks and
+restarts them (``fleet.EngineFleet``). With ``--router`` it drives an externally managed router and
+loads weights on the workers that router lists.
+
+Loops: generation requests from ``turns:{agent}`` go to the router (``/generate`` with input_ids,
+sampling_params, return_logprob), at most ``max_inflight_per_engine`` per healthy engine at a
+time, and the token-exact reply goes to the requester's reply stream; new weights from
+``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published; every
+``LOAD_EVERY_S`` the queue depth and per-engine load go to ``events`` as ``rollout_load``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from services.common.bus import Bus, RetryLater
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
 from services.common.sglang_router import list_workers
 from services.contracts.messages import Event, GenerateReply, GenerateRequest, WeightsUpdate
 from services.rollout.engine_client import EngineClient, EngineClientError
+from services.rollout.fleet import EngineFleet
+from services.rollout.limiter import InflightLimiter
 
 RETRIES = 5
+LOAD_EVERY_S = 2.0
 
 
-async def main_async(config: str, agent: str, router_url: str) -> int:
+async def main_async(config: str, agent: str, router_url: str | None) -> int:
     log = setup_logging(f"rollout.{agent}")
     cfg = load_or_exit(config, agent)
     acfg = cfg.agents[agent]
     bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}")
     s = bus.streams
+    fleet = None if router_url else EngineFleet(agent, acfg)
+    if fleet is not None:
+        await fleet.start()
+        router_url = fleet.router_url
+    assert router_url is not None
     client = EngineClient(router_url, timeout=120.0)
+    per_engine = acfg.max_inflight_per_engine
+    limiter = InflightLimiter(lambda: per_engine * (fleet.healthy() if fleet else acfg.num_engines))
     stop = asyncio.Event()
 
     async def on_turn(req: GenerateRequest) -> None:
@@ -36,8 +52,9 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
             {"sampling_seed": req.sampling.seed} if req.sampling.seed is not None else {})
         for attempt in range(RETRIES):
             try:
-                res = await client.generate(req.input_ids, sampling, rid=req.id)
-                if res.finish_reason == "abort":  # aborted on the engine: not a trajectory to train on
+                async with limiter:
+                    res = await client.generate(req.input_ids, sampling, rid=req.id)
+                if res.finish_reason == "abort":  # aborted on the engine (e.g. it died): not a trajectory
                     raise EngineClientError(f"generate {req.id}: aborted: {res.finish_message}")
                 break
             except EngineClientError as exc:
@@ -59,28 +76,49 @@ async def main_async(config: str, agent: str, router_url: str) -> int:
     async def on_weights(w: WeightsUpdate) -> None:
         if w.agent != agent:
             raise ValueError(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
-        engines = await list_workers(router_url)
+        if fleet is not None:
+            engines = await fleet.load_weights(w.path, w.version)
+        else:
+            engines = await list_workers(router_url)
+            await asyncio.gather(*(client.update_weights(url, w.path, w.version) for url in engines))
         if not engines:
-            raise RetryLater(f"the router lists no engine to load version {w.version} on")
-        await asyncio.gather(*(client.update_weights(url, w.path, w.version) for url in engines))
+            raise RetryLater(f"no engine is up to load version {w.version} on")
         await bus.redis.set(s.loaded_version(agent), w.version)
         await bus.publish(s.events, Event(source=bus.service, kind="weights_loaded", agent=agent,
                                           data={"version": w.version, "engines": engines, "path": w.path}))
         log.info("version %d loaded on %d engine(s)", w.version, len(engines))
 
-    inflight = acfg.num_engines * acfg.max_inflight_per_engine
-    await run_service(f"rollout.{agent}", bus, stop,
-                      bus.consume(s.turns(agent), "rollout", bus.service, GenerateRequest, on_turn, stop,
-                                  concurrency=inflight, count=64),
-                      bus.consume(s.weights(agent), "rollout", bus.service, WeightsUpdate, on_weights, stop),
-                      watch_control(bus, f"control-rollout-{agent}", stop))
-    await client.aclose()
+    async def report_load() -> None:
+        while not stop.is_set():
+            depth = 0
+            with contextlib.suppress(Exception):  # the group may not exist yet
+                for g in await bus.redis.xinfo_groups(s.turns(agent)):
+                    if g["name"] in (b"rollout", "rollout"):
+                        depth = int(g.get("lag") or 0) + int(g.get("pending") or 0)
+            engines = fleet.snapshot() if fleet else [{"url": u, "healthy": True} for u in await list_workers(
+                router_url)]
+            await bus.publish(s.events, Event(source=bus.service, kind="rollout_load", agent=agent, data={
+                "queue_depth": depth, "inflight": limiter.inflight, "capacity": limiter.capacity(),
+                "waiting": limiter.waiting, "router": router_url, "engines": engines}))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), LOAD_EVERY_S)
+
+    loops = [bus.consume(s.turns(agent), "rollout", bus.service, GenerateRequest, on_turn, stop,
+                         concurrency=acfg.num_engines * per_engine, count=64),
+             bus.consume(s.weights(agent), "rollout", bus.service, WeightsUpdate, on_weights, stop),
+             watch_control(bus, f"control-rollout-{agent}", stop), report_load()]
+    try:
+        await run_service(f"rollout.{agent}", bus, stop, *loops, *([fleet.supervise(stop)] if fleet else []))
+    finally:
+        await client.aclose()
+        if fleet is not None:
+            await fleet.close()
     return 0
 
 
 def main() -> None:
-    args = parse_args("rollout", per_agent=True,
-                      extra=lambda p: p.add_argument("--router", required=True, help="the agent's router URL"))
+    args = parse_args("rollout", per_agent=True, extra=lambda p: p.add_argument(
+        "--router", default=None, help="an externally managed router's URL (then no engines are started here)"))
     raise SystemExit(asyncio.run(main_async(args.config, args.agent, args.router)))
 
 

@@ -42,11 +42,12 @@ class GenerateResult:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: FinishType
-    weight_version: int
+    weight_version: int  # the OLDEST version that produced a token (what staleness must count)
     prompt_tokens: int
     engine: str | None = None  # meta_info.engine when the engine reports it (ours does, SGLang does not)
     rid: str | None = None
     finish_message: str | None = None
+    weight_versions: tuple[tuple[int, int, int], ...] = ()  # (version, start, end) spans, SGLang's meta_info
 
 
 def _version(raw: str) -> int:
@@ -70,9 +71,10 @@ def _error_message(resp: httpx.Response) -> str:
 class EngineClient:
     """One ``httpx.AsyncClient`` reused for every call; close with ``aclose()`` or ``async with``."""
 
-    def __init__(self, router_url: str, timeout: float = 300.0) -> None:
+    def __init__(self, router_url: str, timeout: float = 300.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.router_url = router_url.rstrip("/")
-        self._http = httpx.AsyncClient(timeout=timeout)
+        self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -107,9 +109,11 @@ class EngineClient:
         if len(logprobs) != len(out.output_ids):
             raise EngineClientError(f"generate {rid}: {len(logprobs)} logprobs, {len(out.output_ids)} tokens")
         engine = (meta.model_extra or {}).get("engine")
+        spans = tuple((_version(s.version), s.start, s.end) for s in meta.weight_versions or [])
+        oldest = min((v for v, start, end in spans if end > start), default=_version(meta.weight_version))
         return GenerateResult(
             output_ids=list(out.output_ids), output_logprobs=logprobs, finish_reason=meta.finish_reason.type,
-            weight_version=_version(meta.weight_version), prompt_tokens=meta.prompt_tokens,
+            weight_version=oldest, prompt_tokens=meta.prompt_tokens, weight_versions=spans,
             engine=str(engine) if engine is not None else None, rid=meta.id,
             finish_message=meta.finish_reason.message)
 
@@ -126,7 +130,8 @@ class EngineClient:
             raise EngineClientError(f"{url}: weights {model_path} v{version} not loaded: {out.message}")
 
     async def get_weight_version(self, engine_url: str) -> int:
-        url = f"{engine_url.rstrip('/')}/get_weight_version"
+        """From ``/get_model_info`` (SGLang 0.5.23 serves no ``/get_weight_version``; ours does too)."""
+        url = f"{engine_url.rstrip('/')}/get_model_info"
         try:
             resp = await self._http.get(url)
             resp.raise_for_status()

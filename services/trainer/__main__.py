@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,8 @@ async def main_async(config: str, agent: str) -> int:
     version = int(await bus.redis.get(s.published_version(agent)) or 0)
     try:
         policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
-    except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: say which field, stop
-        log.error("agents.%s.%s", agent, exc)
+    except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: name the field, stop
+        print(f"invalid config {config}: agents.{agent}.{exc}", file=sys.stderr)
         return 2
     if getattr(policy, "follower", False):  # megatron under torchrun: ranks > 0 run what rank 0 runs
         await asyncio.to_thread(policy.follow)
@@ -92,7 +93,6 @@ async def main_async(config: str, agent: str) -> int:
             await bus.publish(s.events, Event(source=bus.service, kind="train_step", agent=agent, data=rec["metrics"]))
 
     async def on_batch(batch: Batch) -> None:
-        nonlocal version
         wrong = [x.agent for x in batch.samples if x.agent != agent] + ([batch.agent] if batch.agent != agent else [])
         if wrong:
             raise ValueError(f"batch for agent {batch.agent!r} holds samples of {sorted(set(wrong))}; "

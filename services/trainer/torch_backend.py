@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import os
 import random
 import shutil
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -23,7 +25,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.trainer import lora
 from services.trainer.algorithms import make_algorithm, make_inputs, mean_stats
 from services.trainer.grpo import token_entropy, token_logprobs
 from services.trainer.schedule import lr_factor
@@ -57,6 +58,11 @@ def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
             "mask": mask[:, 1:], "old_logp": old[:, 1:]}
 
 
+def lora() -> ModuleType:
+    """The LoRA helpers, imported only by agents that use LoRA (peft is slow to import)."""
+    return importlib.import_module("services.trainer.lora")
+
+
 def replace_dir(tmp: Path, out_dir: Path) -> None:
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -76,7 +82,7 @@ class TorchPolicy:
         base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32)
         self.reference: torch.nn.Module | None = None
         if acfg.lora is not None:
-            self.model: torch.nn.Module = lora.add_adapters(base, acfg.lora)  # reference = adapters disabled
+            self.model: torch.nn.Module = lora().add_adapters(base, acfg.lora)  # reference = adapters disabled
         else:
             self.model = base
             if self.algo.needs_reference:
@@ -154,7 +160,7 @@ class TorchPolicy:
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model = lora.merged_copy(self.model) if self.acfg.lora is not None else self.model
+        model = lora().merged_copy(self.model) if self.acfg.lora is not None else self.model
         model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out_dir)
@@ -167,7 +173,7 @@ class TorchPolicy:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        weights = lora.adapter_state(self.model) if self.acfg.lora is not None else self.model.state_dict()
+        weights = lora().adapter_state(self.model) if self.acfg.lora is not None else self.model.state_dict()
         torch.save({"version": version, "algorithm": self.cfg.name, "lora": self.acfg.lora is not None,
                     "model": weights, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -181,7 +187,7 @@ class TorchPolicy:
             raise ValueError(f"trainer state {path} was written with lora={'on' if state['lora'] else 'off'}; "
                              "the config now says otherwise")
         if self.acfg.lora is not None:
-            lora.load_adapter_state(self.model, state["model"])
+            lora().load_adapter_state(self.model, state["model"])
         else:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-BENCHMARKS = {"codec": "tests.bench.bench_codec", "trainer": "tests.bench.bench_trainer"}
+BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_engine",
+              "trainer": "tests.bench.bench_trainer"}
 
 
 def main() -> None:

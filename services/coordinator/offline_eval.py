@@ -1,0 +1,117 @@
+"""``tandem eval CONFIG [--checkpoint [AGENT=]DIR ...]``: score weights without starting a run.
+
+Plays the config's held-out evaluation (evaluation.py: seeded episodes, the
+env's scripted opponent, each agent in the roles it plays) with the given
+weights run in-process (local_policy.py), prints per-agent and per-role
+scores with wins/draws/losses, and writes them as JSON. No Redis, engines or
+trainers are started. ``--checkpoint DIR`` values without ``AGENT=`` go to the
+config's training agents in order; agents without one use their model_path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from services.contracts.config import ConfigError, TandemConfig, load_config
+from services.contracts.messages import SamplingParams
+from services.coordinator.episode import play_episode
+from services.coordinator.evaluation import eval_roles, evaluate_player
+from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.envs.base import Environment
+from services.envs.registry import check_environment_config
+
+
+def assign_checkpoints(cfg: TandemConfig, values: list[str]) -> dict[str, str]:
+    """agent -> weights directory. Raises ConfigError naming the bad --checkpoint."""
+    trained = [a for a, c in cfg.agents.items() if c.train]
+    out = {a: c.model_path for a, c in cfg.agents.items() if c.train}
+    plain = 0
+    for value in values:
+        agent, sep, path = value.partition("=")
+        if not sep:
+            if plain >= len(trained):
+                raise ConfigError(f"--checkpoint {value}: more plain checkpoints than training agents {trained}")
+            agent, path = trained[plain], value
+            plain += 1
+        if agent not in cfg.agents:
+            raise ConfigError(f"--checkpoint {value}: no agent {agent!r} in the config ({', '.join(cfg.agents)})")
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"--checkpoint {value}: {path} is not a model directory")
+        out[agent] = path
+    return out
+
+
+def label(opponent: str | dict[str, str]) -> str:
+    return opponent if isinstance(opponent, str) else ",".join(f"{r}:{p}" for r, p in opponent.items())
+
+
+async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: list[str | dict[str, str]],
+                   episodes: int) -> dict[str, Any]:
+    env_cls = check_environment_config(cfg.environment)
+    local = LocalPolicies()
+    ev = cfg.environment.eval
+    results: dict[str, Any] = {}
+    for agent, path in checkpoints.items():
+        player = POLICY + path
+        tokenizers = {player: local.tokenizer(path)}
+
+        async def play(env: Environment, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
+                       rng: random.Random, tokenizers: dict[str, Any] = tokenizers) -> Any:
+            return await play_episode(env, uuid.uuid4().hex, gid, mapping, tokenizers, sampling, local.generate,
+                                      "local", "eval", rng)
+
+        results[agent] = {"checkpoint": path, "roles": eval_roles(cfg.environment, env_cls, agent), "vs": {}}
+        for opponent in opponents:
+            results[agent]["vs"][label(opponent)] = await evaluate_player(
+                env_cls, cfg.environment, player, results[agent]["roles"], opponent, episodes,
+                cfg.agents[agent].sampling, ev.temperature, play)
+    return {"environment": cfg.environment.name, "episodes": episodes, "temperature": ev.temperature,
+            "time": time.time(), "agents": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem eval", description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="[AGENT=]DIR")
+    parser.add_argument("--opponent", action="append", default=[],
+                        help="a scripted player of the environment (repeatable); default: the config's eval.opponent")
+    parser.add_argument("--episodes", type=int, default=None, help="default: the config's eval.episodes")
+    parser.add_argument("--out", default=None, help="JSON output (default runs/<run>/eval.json)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        env_cls = check_environment_config(cfg.environment)
+        checkpoints = assign_checkpoints(cfg, args.checkpoint)
+        opponents: list[str | dict[str, str]] = list(args.opponent) or [cfg.environment.eval.opponent]
+        bad = [o for o in args.opponent if o not in env_cls.scripted_players]
+        if bad:
+            raise ConfigError(f"--opponent {bad[0]}: not one of {list(env_cls.scripted_players)}")
+        episodes = cfg.environment.eval.episodes if args.episodes is None else args.episodes
+        if episodes < 1:
+            raise ConfigError("--episodes: must be at least 1 (or set environment.eval.episodes)")
+    except (ConfigError, ValueError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = asyncio.run(run_eval(cfg, checkpoints, opponents, episodes))
+    for agent, r in report["agents"].items():
+        for opponent, s in r["vs"].items():
+            roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
+            print(f"{agent} vs {opponent}: score {s['score']:.3f}  wins {s['wins']} draws {s['draws']} "
+                  f"losses {s['losses']}  ({roles}; {s['episodes']} episodes, {r['checkpoint']})")
+    out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

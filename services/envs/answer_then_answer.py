@@ -1,0 +1,86 @@
+"""Answer then answer: A answers an arithmetic question, then B sees A's answer and answers.
+
+The MinT multi-agent recipe's pattern. The question ``a <op> b`` is drawn
+from the seed (operands 0..``max_operand``, ops from ``ops``).
+
+Rewards, each role on its own answer: +1 right, 0 wrong, ``-format_penalty``
+when the reply holds no integer (the first integer in the reply counts). An
+unparseable first answer does not end the episode: B is shown "(no answer)".
+
+Scripted players: ``correct``, ``wrong`` (off by one) and ``copy`` (repeats
+the first answer, or answers correctly when it is first).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+from typing import Any, ClassVar
+
+from services.envs.base import Environment, EnvParamError, StepResult
+from services.envs.params import check
+
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+INTEGER = re.compile(r"-?\d+")
+
+
+def first_int(reply: str) -> int | None:
+    m = INTEGER.search(reply)
+    return int(m.group()) if m else None
+
+
+class AnswerThenAnswer(Environment):
+    roles: ClassVar[tuple[str, ...]] = ("first", "second")
+    description: ClassVar[str] = ("Arithmetic: the first role answers, the second sees that answer and answers; "
+                                  "each +1 if right, -format_penalty if no integer.")
+    scripted_players: ClassVar[tuple[str, ...]] = ("correct", "wrong", "copy")
+
+    def __init__(self, params: dict[str, Any], seed: int) -> None:
+        super().__init__(params, seed)
+        a, b = self.rng.randint(0, self.params["max_operand"]), self.rng.randint(0, self.params["max_operand"])
+        op = self.rng.choice(self.params["ops"])
+        self.question, self.answer = f"{a}{op}{b}=", OPS[op](a, b)
+        self.replies: dict[str, int | None] = {}
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        p = check("answer_then_answer", params, {"max_operand": (int, 9, 1, 10**6), "ops": (str, "+-*", None, None),
+                                                 "format_penalty": (float, 0.5, 0.0, 10.0)})
+        if not p["ops"] or set(p["ops"]) - set(OPS):
+            raise EnvParamError(f"answer_then_answer: ops must be made of {''.join(OPS)}, got {p['ops']!r}")
+        return p
+
+    def current_role(self) -> str:
+        return "first" if "first" not in self.replies else "second"
+
+    def observation(self, role: str) -> str:
+        if role == "first":
+            return self.question
+        first = self.replies.get("first")
+        return f"{self.question} A:{'(no answer)' if first is None else first} You:"
+
+    def _reward(self, value: int | None) -> float:
+        return -self.params["format_penalty"] if value is None else float(value == self.answer)
+
+    async def step(self, role: str, reply: str) -> StepResult:
+        if role != self.current_role():
+            raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
+        self.replies[role] = first_int(reply)
+        if role == "first":
+            return StepResult(done=False, info={"answer": self.replies[role]})
+        return StepResult(done=True, rewards={r: self._reward(self.replies[r]) for r in self.roles},
+                          info={"answer": self.replies[role], "truth": self.answer})
+
+    def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
+        if player == "correct":
+            return str(self.answer)
+        if player == "wrong":
+            return str(self.answer + 1)
+        if player == "copy":
+            first = self.replies.get("first")
+            return str(self.answer if role == "first" or first is None else first)
+        raise ValueError(f"unknown scripted player {player!r}; choose from {self.scripted_players}")
+
+    def summary(self) -> dict[str, Any]:
+        return {"question": self.question, "truth": self.answer, "answers": dict(self.replies)}

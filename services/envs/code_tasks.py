@@ -1,0 +1,108 @@
+"""Code with tests: single-agent (``code``) or coder and critic (``code_critic``).
+
+Each episode draws a small function-writing task from the seed (constants
+vary by seed). The reply's program (the first fenced code block, or the whole
+reply) must define ``f``; it runs with the task's test cases in the sandbox
+(sandbox.py: CPU time, memory, wall clock, no network, stripped environment).
+Score: the fraction of test cases passed (1 only when all pass). A reply that
+does not compile or defines no ``f`` is unparseable (``-format_penalty``).
+The roles and rewards are those of verifiable.py (``coder`` is its ``solver``).
+
+Parameters: ``cpu_s`` (1..10), ``memory_mb`` (64..2048), ``wall_s`` (1..30),
+``format_penalty``, and ``revise`` for the coder-critic form.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import random
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from services.envs.sandbox import run_python
+from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, _Verifiable
+
+FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_program(reply: str) -> str | None:
+    """The program in a reply, or None if it does not compile or defines no function ``f``."""
+    m = FENCE.search(reply)
+    source = m.group(1) if m else reply
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "f" for n in tree.body):
+        return None
+    return source
+
+
+@dataclass
+class CodeTask(Task):
+    cases: list[tuple[tuple[Any, ...], Any]] = field(default_factory=list)
+    limits: dict[str, Any] = field(default_factory=dict)
+
+    def grade(self, reply: str) -> float | None:
+        program = extract_program(reply)
+        if program is None:
+            return None
+        token = secrets.token_hex(8)
+        harness = (f"{program}\n\n_cases = {self.cases!r}\n_ok = 0\nfor _a, _e in _cases:\n"
+                   f"    try:\n        _ok += f(*_a) == _e\n    except Exception:\n        pass\n"
+                   f"print('{token}', _ok)\n")
+        result = run_python(harness, **self.limits)
+        for line in reversed(result.stdout.splitlines()):
+            if line.startswith(token + " "):
+                return int(line.split()[1]) / len(self.cases)
+        return 0.0  # crashed, timed out or ran out of memory
+
+
+def make_code_task(rng: random.Random, limits: dict[str, Any]) -> CodeTask:
+    kind = rng.choice(["add", "mul", "count", "reverse", "largest"])
+    k = rng.randint(2, 9)
+    if kind == "add":
+        prompt, body, wrong = f"Write f(x) returning x+{k}.", f"x + {k}", f"x + {k + 1}"
+        cases = [((x,), x + k) for x in (0, 1, -3, 10)]
+    elif kind == "mul":
+        prompt, body, wrong = f"Write f(x) returning x*{k}.", f"x * {k}", f"x * {k} + 1"
+        cases = [((x,), x * k) for x in (0, 2, -3, 7)]
+    elif kind == "count":
+        c = rng.choice("abc")
+        prompt, body, wrong = f"Write f(s) returning how many '{c}' are in s.", f"s.count({c!r})", "len(s)"
+        cases = [((s,), s.count(c)) for s in ("", "abcabc", "aaab", "ccc")]
+    elif kind == "reverse":
+        prompt, body, wrong = "Write f(s) returning s reversed.", "s[::-1]", "s"
+        cases = [((s,), s[::-1]) for s in ("", "ab", "xyz", "tandem")]
+    else:
+        prompt, body, wrong = "Write f(xs) returning the largest number in xs.", "max(xs)", "xs[0]"
+        cases = [((xs,), max(xs)) for xs in ([1], [3, 9, 2], [-5, -2], [k, 0, k + 1])]
+    arg = "s" if "(s)" in prompt else "xs" if "(xs)" in prompt else "x"
+    return CodeTask(prompt=prompt, reference=f"```python\ndef f({arg}):\n    return {body}\n```",
+                    wrong=f"```python\ndef f({arg}):\n    return {wrong}\n```", cases=cases, limits=limits)
+
+
+class _CodeMixin(_Verifiable):
+    env_name: ClassVar[str] = "code"
+    param_spec: ClassVar[dict[str, tuple[type, Any, Any, Any]]] = {
+        "cpu_s": (int, 2, 1, 10), "memory_mb": (int, 256, 64, 2048), "wall_s": (float, 5.0, 1.0, 30.0)}
+
+    def make_task(self, rng: random.Random) -> Task:
+        p = self.params
+        return make_code_task(rng, {"cpu_s": p["cpu_s"], "memory_mb": p["memory_mb"], "wall_s": p["wall_s"]})
+
+    async def grade(self, reply: str) -> float | None:
+        return await asyncio.to_thread(self.task.grade, reply)  # a subprocess: keep it off the event loop
+
+
+class Code(_CodeMixin, SolveEnv):
+    description: ClassVar[str] = "Write a Python function; graded by tests run in a sandbox (time, memory, no net)."
+
+
+class CodeCritic(_CodeMixin, SolveCriticEnv):
+    env_name: ClassVar[str] = "code_critic"
+    description: ClassVar[str] = ("Code, solver and critic: the critic judges the program, the solver may revise; "
+                                  "the final program is graded in the sandbox.")

@@ -1,0 +1,173 @@
+"""Doctor and patient: a bilateral dialogue on a synthetic case (MrlX's TakesTwo pattern), offline.
+
+Roles: ``doctor`` (A) and ``patient`` (B). A case (``CASES``, drawn from the
+seed) has a hidden diagnosis and facts: for each topic of ``TOPICS`` the
+patient's true answer. The patient sees the case's facts, never needs the
+diagnosis name, and must not say it.
+
+Protocol
+* The doctor replies ``ask <topic>`` or ``diagnose <name>`` (one of ``DIAGNOSES``).
+* After ``ask``, the patient answers in free text.
+
+Rewards
+* doctor: +1 for the right diagnosis, -1 for a wrong one (either ends the
+  episode), ``-turn_cost`` per question (per turn), ``-format_penalty`` for a
+  reply that is neither form (the doctor asks again). No diagnosis after
+  ``max_turns`` doctor turns: 0.
+* patient, per answer: ``+answer_reward`` when it is consistent with the case
+  (for a yes/no topic the first yes/no word agrees; for a detail topic the
+  answer contains the fact) and complete (it answers the question asked:
+  an answer with neither yes/no nor the fact is incomplete: 0);
+  ``-answer_reward`` for a contradicting answer; ``-leak_penalty`` when the
+  answer names the diagnosis (volunteering it); ``-format_penalty`` for an
+  empty answer.
+
+Scripted players: doctor ``systematic`` (asks the topics that separate the
+diagnoses still possible, then diagnoses) and ``random``; patient
+``faithful`` (the case's fact), ``leaky`` (the fact plus the diagnosis) and ``liar``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, ClassVar
+
+from services.envs.base import Environment, StepResult
+from services.envs.params import check
+
+TOPICS = ("fever", "cough", "rash", "headache", "vomiting", "duration", "travel", "pain")
+CASES: tuple[dict[str, Any], ...] = (
+    {"diagnosis": "flu", "facts": {"fever": "yes", "cough": "yes", "rash": "no", "headache": "yes",
+                                   "vomiting": "no", "duration": "3 days", "travel": "no", "pain": "muscles"}},
+    {"diagnosis": "measles", "facts": {"fever": "yes", "cough": "yes", "rash": "yes", "headache": "no",
+                                       "vomiting": "no", "duration": "5 days", "travel": "no", "pain": "none"}},
+    {"diagnosis": "migraine", "facts": {"fever": "no", "cough": "no", "rash": "no", "headache": "yes",
+                                        "vomiting": "yes", "duration": "1 day", "travel": "no", "pain": "head"}},
+    {"diagnosis": "malaria", "facts": {"fever": "yes", "cough": "no", "rash": "no", "headache": "yes",
+                                       "vomiting": "yes", "duration": "7 days", "travel": "yes", "pain": "joints"}},
+    {"diagnosis": "appendicitis", "facts": {"fever": "yes", "cough": "no", "rash": "no", "headache": "no",
+                                            "vomiting": "yes", "duration": "1 day", "travel": "no",
+                                            "pain": "belly"}},
+    {"diagnosis": "allergy", "facts": {"fever": "no", "cough": "yes", "rash": "yes", "headache": "no",
+                                       "vomiting": "no", "duration": "2 weeks", "travel": "no", "pain": "none"}},
+)
+DIAGNOSES = tuple(c["diagnosis"] for c in CASES)
+ACTION = re.compile(r"^\s*(ask|diagnose)\s+([a-z]+)\s*\.?\s*$", re.IGNORECASE)
+
+
+def judge_answer(answer: str, fact: str, diagnosis: str) -> tuple[str, bool]:
+    """("consistent" | "contradicts" | "incomplete" | "empty", leaked diagnosis?)"""
+    words = re.findall(r"[a-z0-9]+", answer.lower())
+    leaked = diagnosis in words
+    if not words:
+        return "empty", leaked
+    if fact in ("yes", "no"):
+        said = next((w for w in words if w in ("yes", "no")), None)
+        return ("incomplete" if said is None else "consistent" if said == fact else "contradicts"), leaked
+    if fact.lower() in " ".join(words):
+        return "consistent", leaked
+    others = {c["facts"][t] for c in CASES for t in TOPICS} - {"yes", "no", fact}
+    return ("contradicts" if any(o in " ".join(words) for o in others) else "incomplete"), leaked
+
+
+class DoctorPatient(Environment):
+    roles: ClassVar[tuple[str, ...]] = ("doctor", "patient")
+    description: ClassVar[str] = ("Doctor asks, patient answers from a synthetic case; doctor rewarded for a right "
+                                  "diagnosis in few turns, patient for consistent, complete, non-leaking answers.")
+    scripted_players: ClassVar[tuple[str, ...]] = ("systematic", "random", "faithful", "leaky", "liar")
+
+    def __init__(self, params: dict[str, Any], seed: int) -> None:
+        super().__init__(params, seed)
+        self.case = self.rng.choice(CASES)
+        self.to_act = "doctor"
+        self.doctor_turns = 0
+        self.topic: str | None = None
+        self.doctor_note = f"Diagnose: {' '.join(DIAGNOSES)}. Say 'ask <topic>' ({' '.join(TOPICS)}) or " \
+                           "'diagnose <name>'."
+        self.patient_note = "You are the patient. " + ", ".join(f"{t}: {v}" for t, v in self.case["facts"].items())
+        self.answers: dict[str, str] = {}  # topic -> what the patient's answer said (for the scripted doctor)
+        self.diagnosis: str | None = None
+        self.verdicts: list[str] = []
+        self.leaks = 0
+        self.briefed = False  # the patient sees the case's facts with the first question
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return check("doctor_patient", params, {
+            "max_turns": (int, 8, 1, 50), "turn_cost": (float, 0.05, 0.0, 1.0),
+            "answer_reward": (float, 0.2, 0.0, 10.0), "leak_penalty": (float, 1.0, 0.0, 10.0),
+            "format_penalty": (float, 0.2, 0.0, 10.0)})
+
+    def current_role(self) -> str:
+        return self.to_act
+
+    def observation(self, role: str) -> str:
+        return self.doctor_note if role == "doctor" else self.patient_note
+
+    def _doctor_turn_over(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
+        if self.doctor_turns >= self.params["max_turns"] and self.to_act == "doctor":
+            return StepResult(done=True, rewards={"doctor": 0.0, "patient": 0.0}, turn_rewards=turn, info=info)
+        return StepResult(done=False, turn_rewards=turn, info=info)
+
+    async def step(self, role: str, reply: str) -> StepResult:
+        p = self.params
+        if role != self.to_act:
+            raise ValueError(f"it is {self.to_act}'s turn, not {role!r}'s")
+        if role == "patient":
+            assert self.topic is not None
+            verdict, leaked = judge_answer(reply, self.case["facts"][self.topic], self.case["diagnosis"])
+            self.verdicts.append(verdict)
+            self.leaks += leaked
+            r = {"consistent": p["answer_reward"], "contradicts": -p["answer_reward"], "incomplete": 0.0,
+                 "empty": -p["format_penalty"]}[verdict] - (p["leak_penalty"] if leaked else 0.0)
+            self.answers[self.topic] = reply
+            self.doctor_note = f"{self.topic}: {' '.join(reply.split())[:60] or '(no answer)'}"
+            self.to_act = "doctor"
+            return self._doctor_turn_over({"patient": r}, {"verdict": verdict, "leaked": leaked})
+        self.doctor_turns += 1
+        m = ACTION.match(reply)
+        verb, word = (m.group(1).lower(), m.group(2).lower()) if m else ("", "")
+        if verb == "diagnose" and word in DIAGNOSES:
+            self.diagnosis = word
+            right = word == self.case["diagnosis"]
+            return StepResult(done=True, rewards={"doctor": 1.0 if right else -1.0, "patient": 0.0},
+                              info={"diagnosis": word, "right": right})
+        if verb == "ask" and word in TOPICS:
+            self.topic = word
+            self.to_act = "patient"
+            self.patient_note = (self.patient_note + "\n" if not self.briefed else "") + f"Doctor: {word}?"
+            self.briefed = True
+            return StepResult(done=False, turn_rewards={"doctor": -p["turn_cost"]}, info={"ask": word})
+        self.doctor_note = "Say 'ask <topic>' or 'diagnose <name>'."
+        return self._doctor_turn_over({"doctor": -p["turn_cost"] - p["format_penalty"]},
+                                      {"malformed": reply[:40]})
+
+    def _possible(self) -> list[dict[str, Any]]:
+        out = []
+        for case in CASES:
+            if all(judge_answer(a, case["facts"][t], "")[0] == "consistent" for t, a in self.answers.items()):
+                out.append(case)
+        return out or list(CASES)
+
+    def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
+        if role == "patient":
+            fact = self.case["facts"][self.topic or TOPICS[0]]
+            if player == "faithful":
+                return fact
+            if player == "leaky":
+                return f"{fact}, I think it is {self.case['diagnosis']}"
+            if player == "liar":
+                return {"yes": "no", "no": "yes"}.get(fact, "none")
+            raise ValueError(f"{player!r} cannot play the patient")
+        if player == "random":
+            return rng.choice([f"ask {rng.choice(TOPICS)}", f"diagnose {rng.choice(DIAGNOSES)}"])
+        possible = self._possible()
+        if len(possible) == 1:
+            return f"diagnose {possible[0]['diagnosis']}"
+        asked = [t for t in TOPICS if t not in self.answers and len({c["facts"][t] for c in possible}) > 1]
+        return f"ask {asked[0]}" if asked else f"diagnose {possible[0]['diagnosis']}"
+
+    def summary(self) -> dict[str, Any]:
+        return {"case": self.case["diagnosis"], "diagnosis": self.diagnosis, "doctor_turns": self.doctor_turns,
+                "answers": self.verdicts, "leaks": self.leaks}

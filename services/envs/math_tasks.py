@@ -1,0 +1,74 @@
+"""Math with verifiable answers: single-agent (``math``) or solver and critic (``math_critic``).
+
+Problems are generated from the seed, so every answer is known exactly:
+* ``arith``: ``a*b+c`` style expressions with small operands;
+* ``linear``: solve ``a*x+b=c`` for an integer ``x``.
+A reply is graded by its *last* integer (so "x = 4" and "the answer is 4"
+both count): 1 if equal to the answer, 0 otherwise; a reply with no integer
+is unparseable (``-format_penalty``). See verifiable.py for the roles and rewards.
+
+Parameters: ``kinds`` ("arith", "linear" or "arith,linear"), ``max_operand``
+(1..1000), ``format_penalty``, and ``revise`` for the solver-critic form.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from services.envs.base import EnvParamError
+from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, _Verifiable
+
+KINDS = ("arith", "linear")
+INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass
+class MathTask(Task):
+    answer: int = 0
+
+    def grade(self, reply: str) -> float | None:
+        found = INTEGER.findall(reply)
+        return None if not found else float(int(found[-1]) == self.answer)
+
+
+def make_math_task(rng: random.Random, kinds: list[str], n: int) -> MathTask:
+    kind = rng.choice(kinds)
+    if kind == "arith":
+        a, b, c = rng.randint(1, n), rng.randint(1, n), rng.randint(0, n)
+        answer = a * b + c
+        prompt = f"{a}*{b}+{c}=?"
+    else:
+        a, x, b = rng.randint(2, max(2, n)), rng.randint(-n, n), rng.randint(0, n)
+        answer = x
+        prompt = f"{a}x+{b}={a * x + b}. x=?"
+    return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
+
+
+class _MathMixin(_Verifiable):
+    env_name: ClassVar[str] = "math"
+    param_spec: ClassVar[dict[str, tuple[type, Any, Any, Any]]] = {
+        "kinds": (str, "arith,linear", None, None), "max_operand": (int, 9, 1, 1000)}
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        p = super().check_params(params)
+        kinds = [k.strip() for k in p["kinds"].split(",")]
+        if not kinds or any(k not in KINDS for k in kinds):
+            raise EnvParamError(f"{cls.env_name}: kinds must be a comma list of {list(KINDS)}, got {p['kinds']!r}")
+        return p
+
+    def make_task(self, rng: random.Random) -> Task:
+        return make_math_task(rng, [k.strip() for k in self.params["kinds"].split(",")], self.params["max_operand"])
+
+
+class Math(_MathMixin, SolveEnv):
+    description: ClassVar[str] = "Math with a verifiable integer answer, one solver: +1 right, 0 wrong."
+
+
+class MathCritic(_MathMixin, SolveCriticEnv):
+    env_name: ClassVar[str] = "math_critic"
+    description: ClassVar[str] = ("Math, solver and critic: the critic judges the answer (+1 if its verdict is "
+                                  "right), the solver may revise; the final answer is graded.")

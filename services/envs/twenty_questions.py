@@ -1,0 +1,158 @@
+"""Twenty questions: an asker finds a hidden object by yes/no questions an answerer agent answers.
+
+Roles: ``asker`` (A) and ``answerer`` (B; trained, frozen or scripted by the
+config). The hidden object is drawn from the seed out of ``TABLE``, the
+attribute table shipped here, which is also what every answer is checked against.
+
+Protocol
+* The asker replies ``is it <attribute>?`` (an attribute of the table) or
+  ``is it <object>?`` (a guess). Guesses are settled by the environment: a
+  right one ends the episode; a wrong one is answered "no" and costs a question.
+* Attribute questions go to the answerer, who sees the secret object and must
+  reply ``yes`` or ``no`` (the first word counts). The asker then sees the answer.
+
+Rewards
+* asker: +1 for naming the object (final); ``-question_cost`` per question
+  (per turn); ``-format_penalty`` for a reply that is neither form (the turn is
+  lost, the asker asks again).
+* answerer: ``+truth_reward`` per answer that agrees with the table,
+  ``-truth_reward`` per answer that does not, ``-format_penalty`` (and the
+  asker is told "no answer") for a reply that is neither yes nor no.
+After ``max_questions`` questions the episode ends; the asker gets no bonus.
+
+Scripted players: asker ``halving`` (the attribute that best splits the
+objects still possible, then a guess) and ``random``; answerer ``truthful``,
+``liar`` and ``random``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, ClassVar
+
+from services.envs.base import Environment, StepResult
+from services.envs.params import check
+
+ATTRIBUTES = ("alive", "animal", "edible", "metal", "big", "wild", "flies", "swims", "red", "electric")
+_ROWS = {  # object: attributes that are true; every other attribute is false
+    "cat": {"alive", "animal"},
+    "eagle": {"alive", "animal", "wild", "flies"},
+    "shark": {"alive", "animal", "wild", "swims", "big"},
+    "apple": {"alive", "edible", "red"},
+    "carrot": {"alive", "edible"},
+    "fox": {"alive", "animal", "wild", "red"},
+    "car": {"metal", "big", "electric"},
+    "spoon": {"metal"},
+    "phone": {"metal", "electric"},
+    "boat": {"big", "swims"},
+    "kite": {"flies", "red"},
+    "submarine": {"metal", "big", "swims", "electric"},
+}
+TABLE: dict[str, dict[str, bool]] = {o: {a: a in s for a in ATTRIBUTES} for o, s in _ROWS.items()}
+QUESTION = re.compile(r"^\s*is it (?:an? )?([a-z]+)\s*\??\s*$", re.IGNORECASE)
+
+
+def yes_no(reply: str) -> bool | None:
+    words = re.findall(r"[a-z]+", reply.lower())
+    return {"yes": True, "no": False}.get(words[0]) if words else None
+
+
+class TwentyQuestions(Environment):
+    roles: ClassVar[tuple[str, ...]] = ("asker", "answerer")
+    description: ClassVar[str] = ("Twenty questions: the asker names a hidden object by yes/no questions; the "
+                                  "answerer's answers are checked against the attribute table.")
+    scripted_players: ClassVar[tuple[str, ...]] = ("halving", "random", "truthful", "liar")
+
+    def __init__(self, params: dict[str, Any], seed: int) -> None:
+        super().__init__(params, seed)
+        self.secret = self.rng.choice(sorted(TABLE))
+        self.to_act = "asker"
+        self.questions = 0
+        self.pending: str | None = None  # the attribute the answerer is asked about
+        self.asker_note = ("20Q. Ask 'is it X?' with X an attribute (" + " ".join(ATTRIBUTES) + ") or object ("
+                           + " ".join(sorted(TABLE)) + ").")
+        self.answerer_note = f"Secret: {self.secret}. Answer yes or no."
+        self.candidates = sorted(TABLE)  # what truthful answers so far allow (scripted asker)
+        self.found = False
+        self.truthful = self.lies = self.malformed = 0
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return check("twenty_questions", params, {
+            "max_questions": (int, 20, 1, 100), "question_cost": (float, 0.02, 0.0, 1.0),
+            "truth_reward": (float, 0.1, 0.0, 10.0), "format_penalty": (float, 0.2, 0.0, 10.0)})
+
+    def current_role(self) -> str:
+        return self.to_act
+
+    def observation(self, role: str) -> str:
+        note = self.asker_note if role == "asker" else self.answerer_note
+        return note
+
+    def _asked(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
+        self.questions += 1
+        if self.questions >= self.params["max_questions"]:
+            return StepResult(done=True, rewards={"asker": 0.0, "answerer": 0.0}, turn_rewards=turn, info=info)
+        return StepResult(done=False, turn_rewards=turn, info=info)
+
+    async def step(self, role: str, reply: str) -> StepResult:
+        p = self.params
+        if role != self.to_act:
+            raise ValueError(f"it is {self.to_act}'s turn, not {role!r}'s")
+        if role == "answerer":
+            assert self.pending is not None
+            said, truth = yes_no(reply), TABLE[self.secret][self.pending]
+            self.to_act = "asker"
+            if said is None:
+                self.malformed += 1
+                self.asker_note = f"{self.pending}? no answer."
+                return self._asked({"answerer": -p["format_penalty"]}, {"malformed": reply[:40]})
+            ok = said == truth
+            self.truthful += ok
+            self.lies += not ok
+            self.candidates = [o for o in self.candidates if TABLE[o][self.pending] == said]
+            self.asker_note = f"{self.pending}? {'yes' if said else 'no'}."
+            self.answerer_note = ""
+            return self._asked({"answerer": p["truth_reward"] if ok else -p["truth_reward"]}, {"truthful": ok})
+        m = QUESTION.match(reply)
+        word = m.group(1).lower() if m else ""
+        cost = {"asker": -p["question_cost"]}
+        if word in TABLE:
+            if word == self.secret:
+                self.found = True
+                return StepResult(done=True, rewards={"asker": 1.0, "answerer": 0.0}, turn_rewards=cost,
+                                  info={"guess": word})
+            self.candidates = [o for o in self.candidates if o != word]
+            self.asker_note = f"{word}? no."
+            return self._asked(cost, {"guess": word})
+        if word in ATTRIBUTES:
+            self.pending = word
+            self.to_act = "answerer"
+            self.answerer_note = (self.answerer_note + " " if self.answerer_note else "") + f"Q: is it {word}?"
+            return StepResult(done=False, turn_rewards=cost, info={"question": word})
+        self.malformed += 1
+        self.asker_note = "Ask 'is it X?'."
+        return self._asked({"asker": cost["asker"] - p["format_penalty"]}, {"malformed": reply[:40]})
+
+    def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
+        if role == "answerer":
+            truth = TABLE[self.secret][self.pending or ATTRIBUTES[0]]
+            if player == "truthful":
+                return "yes" if truth else "no"
+            if player == "liar":
+                return "no" if truth else "yes"
+            return rng.choice(["yes", "no"])
+        if player == "random":
+            return f"is it {rng.choice(ATTRIBUTES + tuple(sorted(TABLE)))}?"
+        cands = self.candidates or sorted(TABLE)
+        if len(cands) == 1:
+            return f"is it {cands[0]}?"
+        split = min(ATTRIBUTES, key=lambda a: (abs(sum(TABLE[o][a] for o in cands) * 2 - len(cands)), a))
+        if sum(TABLE[o][split] for o in cands) in (0, len(cands)):  # no attribute separates them: guess
+            return f"is it {cands[0]}?"
+        return f"is it {split}?"
+
+    def summary(self) -> dict[str, Any]:
+        return {"secret": self.secret, "found": self.found, "questions": self.questions,
+                "truthful": self.truthful, "lies": self.lies, "malformed": self.malformed}

@@ -1,0 +1,26 @@
+"""Command lines of the processes a rollout service starts: its engines (and, via
+``services.common.sglang_router.router_command``, its router).
+
+``engine: embedded``  -> ``python -m services.engine --model-path M --port P --engine-id A-i``
+``engine: sglang``    -> ``python -m sglang.launch_server --model-path M --host H --port P --tp-size T
+                          --mem-fraction-static F --base-gpu-id G [extra_args...]``
+where engine i of an agent uses GPUs ``base_gpu_id + i*tp_size`` .. ``+ tp_size - 1``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from services.contracts.config import AgentConfig
+
+
+def engine_command(acfg: AgentConfig, agent: str, index: int, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The argv that starts engine ``index`` of ``agent`` on ``port``."""
+    if acfg.engine == "embedded":
+        return [sys.executable, "-m", "services.engine", "--model-path", acfg.model_path, "--host", host,
+                "--port", str(port), "--engine-id", f"{agent}-{index}",
+                "--max-batch", str(acfg.max_inflight_per_engine)]
+    sg = acfg.sglang
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", acfg.model_path, "--host", host,
+            "--port", str(port), "--tp-size", str(sg.tp_size), "--mem-fraction-static", str(sg.mem_fraction_static),
+            "--base-gpu-id", str(sg.base_gpu_id + index * sg.tp_size), *sg.extra_args]

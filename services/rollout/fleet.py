@@ -1,0 +1,197 @@
+"""The rollout's engines and router as child processes: start, register, watch, restart.
+
+``EngineFleet.start()`` starts the real SGLang router (no workers) and ``num_engines`` engines
+(``services/rollout/commands.py``), waits for each engine's ``/health`` and registers it with the
+router at run time (``POST /workers``). ``supervise()`` then checks every engine each
+``interval`` seconds: a process that exited, or one whose ``/health_generate`` fails or does not
+answer within ``health_timeout`` seconds ``max_failures`` times in a row (hung), is deregistered
+(``DELETE /workers/{id}``: traffic moves to the healthy ones), killed and started again on its
+port; the latest weight version loaded on the fleet is applied to it before it is registered
+again. ``load_weights`` and re-registration share one lock, so a restarted engine can never
+rejoin on an older version than the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from services.common.embedded_redis import free_port
+from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
+from services.contracts.config import AgentConfig
+from services.rollout.commands import engine_command
+from services.rollout.engine_client import EngineClient
+
+log = logging.getLogger("tandem.rollout.fleet")
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):  # Linux: the child gets SIGTERM when the rollout dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+@dataclass
+class ManagedEngine:
+    index: int
+    port: int
+    host: str
+    proc: asyncio.subprocess.Process | None = None
+    registered: bool = False
+    restarts: int = 0
+    failures: int = 0
+    weight_version: int = 0
+    load: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class EngineFleet:
+    def __init__(self, agent: str, acfg: AgentConfig, host: str = "127.0.0.1", interval: float = 1.0,
+                 health_timeout: float = 20.0, max_failures: int = 3, start_timeout: float = 600.0) -> None:
+        self.agent, self.acfg, self.host = agent, acfg, host
+        self.interval, self.health_timeout = interval, health_timeout
+        self.max_failures, self.start_timeout = max_failures, start_timeout
+        base = acfg.engine_base_port
+        self.engines = [ManagedEngine(i, base + i if base else free_port(), host) for i in range(acfg.num_engines)]
+        self.router_port = acfg.router_port or free_port()
+        self.router_url = f"http://{host}:{self.router_port}"
+        self.router: asyncio.subprocess.Process | None = None
+        self.latest: tuple[str, int] | None = None  # (path, version) last loaded on the fleet
+        self._lock = asyncio.Lock()
+        self._http = httpx.AsyncClient(timeout=health_timeout)
+        self._client = EngineClient(self.router_url, timeout=300.0)
+
+    async def _spawn(self, cmd: list[str]) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
+                                                    preexec_fn=_die_with_parent, env=os.environ.copy())
+
+    async def start(self) -> None:
+        self.router = await self._spawn(router_command(self.router_port, [], host=self.host))
+        await asyncio.gather(*(self._boot(e) for e in self.engines))
+        await wait_healthy(self.router_url, timeout=60)
+        await asyncio.gather(*(self._register(e) for e in self.engines))
+        log.info("router %s with %d engine(s) up", self.router_url, len(self.engines))
+
+    async def _boot(self, e: ManagedEngine) -> None:
+        e.proc = await self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host))
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if not e.alive():
+                raise RuntimeError(f"engine {e.url} exited with code {e.proc.returncode} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self._http.get(f"{e.url}/health", timeout=2.0)).status_code == 200:
+                    return
+            await asyncio.sleep(0.25)
+        raise TimeoutError(f"engine {e.url} not healthy after {self.start_timeout:.0f}s")
+
+    async def _register(self, e: ManagedEngine) -> None:
+        async with self._lock:  # the latest version first, then traffic
+            if self.latest is not None and e.weight_version != self.latest[1]:
+                await self._client.update_weights(e.url, *self.latest)
+                e.weight_version = self.latest[1]
+            await add_worker(self.router_url, e.url, timeout=60)
+            e.registered, e.failures = True, 0
+
+    async def _deregister(self, e: ManagedEngine) -> None:
+        if e.registered:
+            e.registered = False
+            with contextlib.suppress(KeyError, RuntimeError, TimeoutError, httpx.HTTPError):
+                await remove_worker(self.router_url, e.url, timeout=10)
+
+    async def load_weights(self, path: str, version: int) -> list[str]:
+        """Load ``path`` as ``version`` on every registered engine; a restarting one gets it on rejoin."""
+        async with self._lock:
+            self.latest = (path, version)
+            live = [e for e in self.engines if e.registered]
+            await asyncio.gather(*(self._client.update_weights(e.url, path, version) for e in live))
+            for e in live:
+                e.weight_version = version
+            return [e.url for e in live]
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        restarting: dict[int, asyncio.Task[None]] = {}
+        while not stop.is_set():
+            watched = [e for e in self.engines if e.index not in restarting or restarting[e.index].done()]
+            for e, ok in zip(watched, await asyncio.gather(*(self._check(e) for e in watched)), strict=True):
+                if not ok:
+                    restarting[e.index] = asyncio.create_task(self._restart(e))
+            if self.router is not None and self.router.returncode is not None:
+                raise RuntimeError(f"the SGLang router exited with code {self.router.returncode}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)
+        for t in restarting.values():
+            t.cancel()
+
+    async def _check(self, e: ManagedEngine) -> bool:
+        """False when the engine must be restarted."""
+        if not e.alive():
+            log.warning("engine %s died (exit code %s)", e.url, e.proc.returncode if e.proc else None)
+            return False
+        try:
+            ok = (await self._http.get(f"{e.url}/health_generate", timeout=self.health_timeout)).status_code == 200
+            load = (await self._http.get(f"{e.url}/get_load", timeout=2.0)).json()
+            if isinstance(load, list) and load and isinstance(load[0], dict):
+                e.load = {k: int(v) for k, v in load[0].items() if k in ("num_reqs", "num_waiting_reqs", "num_tokens")}
+        except (httpx.HTTPError, ValueError):
+            ok = False
+        e.failures = 0 if ok else e.failures + 1
+        if e.failures >= self.max_failures:
+            log.warning("engine %s failed %d health checks in a row: restarting it", e.url, e.failures)
+            return False
+        return True
+
+    async def _restart(self, e: ManagedEngine) -> None:
+        await self._deregister(e)
+        if e.alive():
+            assert e.proc is not None
+            e.proc.kill()
+        if e.proc is not None:
+            await e.proc.wait()
+        e.restarts += 1
+        e.weight_version, e.load = 0, {}
+        while True:
+            try:
+                await self._boot(e)
+                await self._register(e)
+                log.info("engine %s is back (restart %d)", e.url, e.restarts)
+                return
+            except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+                log.warning("restarting engine %s failed: %s; trying again", e.url, exc)
+                if e.alive():
+                    e.proc.kill()  # type: ignore[union-attr]
+                    await e.proc.wait()  # type: ignore[union-attr]
+                await asyncio.sleep(2.0)
+
+    def healthy(self) -> int:
+        return sum(1 for e in self.engines if e.registered)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [{"url": e.url, "healthy": e.registered, "pid": e.proc.pid if e.proc else None,
+                 "restarts": e.restarts, "weight_version": e.weight_version, **e.load} for e in self.engines]
+
+    async def close(self) -> None:
+        procs = [p for p in [*(e.proc for e in self.engines), self.router] if p is not None and p.returncode is None]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+        await self._http.aclose()
+        await self._client.aclose()

@@ -1,0 +1,53 @@
+"""A plug-in environment defined outside services/, loaded by ``plugin_env:CountUp`` (tests put tests/ on the path).
+
+Two roles take turns saying the next number; a reply that is not the next number
+scores -1 for that role and ends the game, reaching ``target`` scores +1 for both.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, ClassVar
+
+from services.envs.base import Environment, EnvParamError, StepResult
+
+
+class CountUp(Environment):
+    roles: ClassVar[tuple[str, ...]] = ("left", "right")
+    description: ClassVar[str] = "Say the next number in turn; a wrong number loses."
+    scripted_players: ClassVar[tuple[str, ...]] = ("counter",)
+
+    def __init__(self, params: dict[str, Any], seed: int) -> None:
+        super().__init__(params, seed)
+        self.n = 0
+        self.turn = 0
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        if set(params) - {"target"}:
+            raise EnvParamError(f"CountUp: unknown parameter(s) {sorted(set(params) - {'target'})}")
+        target = params.get("target", 3)
+        if not isinstance(target, int) or not 1 <= target <= 9:
+            raise EnvParamError(f"CountUp: target must be an integer 1-9, got {target!r}")
+        return {"target": target}
+
+    def current_role(self) -> str:
+        return self.roles[self.turn % 2]
+
+    def observation(self, role: str) -> str:
+        return f"{self.n}"
+
+    async def step(self, role: str, reply: str) -> StepResult:
+        self.turn += 1
+        m = re.match(r"\s*(\d+)", reply)
+        if m is None or int(m.group(1)) != self.n + 1:
+            other = self.roles[self.turn % 2]
+            return StepResult(done=True, rewards={role: -1.0, other: 0.0})
+        self.n += 1
+        if self.n >= self.params["target"]:
+            return StepResult(done=True, rewards={r: 1.0 for r in self.roles})
+        return StepResult(done=False)
+
+    def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
+        return str(self.n + 1)

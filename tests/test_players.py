@@ -1,0 +1,156 @@
+"""Who plays a role: agents (A vs B, self-play), frozen agents, scripted players, opponent pools.
+
+Also the episode loop with real tiny models played in-process, per-turn rewards, and
+``tandem eval`` end to end on the tiny model (no services).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.bus import Bus
+from services.contracts.config import ConfigError, parse_config
+from services.coordinator.episode import play_episode
+from services.coordinator.evaluation import eval_roles, outcome
+from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.coordinator.scheduler import Coordinator
+from services.envs.guess_number import GuessNumber
+from services.envs.registry import load_environment
+from services.envs.tictactoe import TicTacToe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(roles: dict, agents: dict | None = None, env: str = "tictactoe", **env_extra) -> dict:
+    agents = agents or {"A": {"model_path": "m"}, "B": {"model_path": "m"}}
+    return {"run": {"name": "t"}, "environment": {"name": env, "roles": roles, **env_extra}, "agents": agents}
+
+
+@pytest.mark.parametrize(("roles", "agents", "message"), [
+    ({"X": "A", "O": "C"}, None, "environment.roles.O names agent 'C'"),
+    ({"X": "A", "O": "pool:C"}, None, "environment.roles.O names agent 'C'"),
+    ({"X": "A", "O": "bot:minimax"}, None, "environment.roles.O: 'bot:minimax' is not an agent name"),
+    ({"X": "A", "O": "scripted:"}, None, "environment.roles.O"),
+    ({"X": "A", "O": "A"}, {"A": {"model_path": "m", "train": False}}, "at least one must train"),
+    ({"X": "A", "O": "scripted:random"}, {"A": {"model_path": "m"}, "B": {"model_path": "m"}},
+     "agents.B: trains but plays no role"),
+])
+def test_role_players_are_checked_at_start(roles: dict, agents: dict | None, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(config(roles, agents))
+
+
+@pytest.mark.parametrize("roles", [
+    {"X": "A", "O": "B"}, {"X": "A", "O": "A"}, {"X": "A", "O": "scripted:minimax"}, {"X": "A", "O": "pool:A"},
+    {"X": "A", "O": "B"},
+])
+def test_valid_player_kinds(roles: dict) -> None:
+    agents = {"A": {"model_path": "m"}, "B": {"model_path": "m", "train": "B" in roles.values()}}
+    cfg = parse_config(config(roles, agents))
+    assert cfg.environment.roles == roles
+
+
+def test_frozen_agent_is_not_tracked_and_eval_roles(redis_url: str, tiny_model_dir: Path) -> None:
+    m = str(tiny_model_dir)
+    agents = {"A": {"model_path": m}, "B": {"model_path": m, "train": False}}
+    cfg = parse_config({**config({"X": "A", "O": "B"}, agents), "redis_url": redis_url})
+    coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
+    assert set(coord.state.agents) == {"A"}  # B is frozen: no versions to wait for, no groups to count
+    assert coord.trained({"X": "A", "O": "B"}) == {"A"}
+    assert eval_roles(cfg.environment, TicTacToe, "A") == ["X"]
+    asyncio.run(coord.bus.close())
+
+
+def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path) -> None:
+    m = str(tiny_model_dir)
+    cfg = parse_config({**config({"X": "A", "O": "pool:A"}, {"A": {"model_path": m}}, alternate_roles=True,
+                                 pool_size=2), "redis_url": redis_url})
+    coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
+    assert coord.resolve_pool({"X": "A", "O": "pool:A"}) == {"X": "A", "O": POLICY + m}  # only version 0 yet
+    from services.contracts.messages import Event
+
+    for v in (1, 2, 3):
+        asyncio.run(coord.on_event(Event(source="rollout", kind="weights_loaded", agent="A",
+                                         data={"version": v, "path": f"/ckpt/v{v}"})))
+    drawn = {coord.resolve_pool({"X": "A", "O": "pool:A"})["O"] for _ in range(50)}
+    assert drawn == {POLICY + "/ckpt/v2", POLICY + "/ckpt/v3"}  # the last pool_size versions
+    assert coord.roles_for_group(1) == {"X": "pool:A", "O": "A"}  # sides alternate; the pool follows
+    assert coord.trained(coord.resolve_pool(coord.roles_for_group(1))) == {"A"}
+    assert coord.sampling_for({"O": POLICY + "/ckpt/v2"})[POLICY + "/ckpt/v2"] == cfg.agents["A"].sampling
+    asyncio.run(coord.bus.close())
+
+
+def test_self_play_episode_with_in_process_weights(tiny_model_dir: Path) -> None:
+    """One player in both roles: two views, both token-exact; per-turn rewards reach the final ones."""
+    local = LocalPolicies()
+    player = POLICY + str(tiny_model_dir)
+    tok = local.tokenizer(str(tiny_model_dir))
+    from services.contracts.messages import SamplingParams
+
+    sampling = {player: SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)}
+    result = asyncio.run(play_episode(TicTacToe({}, 1), "e1", "g1", {"X": player, "O": player}, {player: tok},
+                                      sampling, local.generate, "local", "eval", random.Random(1)))
+    assert set(result.views) == {"X", "O"} and any(result.views["X"].mask)
+    for view in result.views.values():  # O has no turn if X's first move was illegal (a random model)
+        assert len(view.tokens) == len(view.mask) == len(view.logprobs)
+        assert all((lp <= 0) if m else lp == 0 for lp, m in zip(view.logprobs, view.mask, strict=True))
+    assert result.samples({}) == []  # in-process weights are never trained on
+    again = asyncio.run(play_episode(TicTacToe({}, 1), "e2", "g1", {"X": player, "O": player}, {player: tok},
+                                     sampling, local.generate, "local", "eval", random.Random(1)))
+    assert [t["text"] for t in again.transcript] == [t["text"] for t in result.transcript]  # seeded
+
+    gn = asyncio.run(play_episode(GuessNumber({"max_turns": 3}, 0), "e3", "g2", {"guesser": "scripted:random"},
+                                  {}, {}, local.generate, "local", "eval", random.Random(0)))
+    costs = sum(t["turn_rewards"].get("guesser", 0.0) for t in gn.transcript)
+    final = 1.0 if gn.summary["found"] else 0.0
+    assert gn.rewards["guesser"] == pytest.approx(final + costs) and costs < 0
+
+
+def test_outcome() -> None:
+    assert outcome({"X": 1.0, "O": -1.0}, "X") == "win"
+    assert outcome({"X": 0.0, "O": 0.0}, "O") == "draw"
+    assert outcome({"X": -1.0, "O": 0.0}, "X") == "loss"
+    assert outcome({"guesser": 0.9}, "guesser") == "win"
+
+
+def test_tandem_eval_reports_wins_draws_losses_vs_random_and_minimax(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cfg = config({"X": "A", "O": "B"}, {"A": {"model_path": str(tiny_model_dir), "sampling": {"max_new_tokens": 2}},
+                                        "B": {"model_path": str(tiny_model_dir), "sampling": {"max_new_tokens": 2}}},
+                 alternate_roles=True, eval={"episodes": 4})
+    cfg["run"]["output_dir"] = str(tmp_path / "runs")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "services.launcher.cli", "eval", str(path), "--checkpoint",
+                           f"B={tiny_model_dir}", "--opponent", "random", "--opponent", "minimax", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for agent in ("A", "B"):
+        for opp in ("random", "minimax"):
+            s = report["agents"][agent]["vs"][opp]
+            assert s["wins"] + s["draws"] + s["losses"] == s["episodes"] == 4
+            assert set(s["per_role"]) == {"X", "O"}
+            assert f"{agent} vs {opp}: score" in proc.stdout
+        assert report["agents"][agent]["vs"]["minimax"]["wins"] == 0  # nobody beats minimax
+    bad = subprocess.run([sys.executable, "-m", "services.launcher.cli", "eval", str(path), "--opponent", "alphazero"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--opponent alphazero" in bad.stderr
+
+
+def test_tandem_envs_lists_every_builtin() -> None:
+    proc = subprocess.run([sys.executable, "-m", "services.launcher.cli", "envs"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0
+    for name in ("tictactoe", "guess_number", "twenty_questions", "debate", "doctor_patient", "math", "code",
+                 "textarena"):
+        assert name in proc.stdout
+        assert ", ".join(load_environment(name).roles) in proc.stdout

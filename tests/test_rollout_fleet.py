@@ -1,0 +1,175 @@
+"""The rollout owns its router and engines: command lines (SGLang checked against its own flags),
+config, and the kill-an-engine run (real rollout process, real sglang-router, real engines, real Redis).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from safetensors.torch import load_file, save_file
+
+from services.common.bus import Bus
+from services.contracts.config import AgentConfig, ConfigError, parse_config
+from services.contracts.messages import Event, GenerateReply, GenerateRequest, SamplingParams, WeightsUpdate
+from services.rollout.commands import engine_command
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sglang_flags() -> set[str]:
+    """Every ``--flag`` SGLang 0.5.23's launch_server accepts: its ServerArgs field namespaces
+    (``arg_groups/fields/*.py``, one ``--name-with-dashes`` per field) plus the hand-registered ones."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    srt = Path(next(iter(spec.submodule_search_locations))) / "srt"
+    flags: set[str] = set()
+    for f in (srt / "arg_groups" / "fields").glob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.ClassDef):
+                flags |= {"--" + a.target.id.replace("_", "-") for a in n.body
+                          if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+    flags |= {c.value for c in ast.walk(ast.parse((srt / "server_args.py").read_text()))
+              if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("--")}
+    return flags
+
+
+def test_sglang_engine_commands() -> None:
+    acfg = AgentConfig(model_path="/models/qwen", engine="sglang", num_engines=2,
+                       sglang={"tp_size": 2, "mem_fraction_static": 0.7, "base_gpu_id": 1,
+                               "extra_args": ["--context-length", "4096"]})
+    cmds = [engine_command(acfg, "A", i, 30000 + i, host="0.0.0.0") for i in range(2)]
+    assert cmds[0][1:] == ["-m", "sglang.launch_server", "--model-path", "/models/qwen", "--host", "0.0.0.0",
+                           "--port", "30000", "--tp-size", "2", "--mem-fraction-static", "0.7",
+                           "--base-gpu-id", "1", "--context-length", "4096"]
+    assert cmds[1][cmds[1].index("--base-gpu-id") + 1] == "3"  # engine 1: GPUs 3, 4
+    assert cmds[1][cmds[1].index("--port") + 1] == "30001"
+    flags = _sglang_flags()
+    for cmd in cmds:
+        used = {a for a in cmd if a.startswith("--")}
+        assert used <= flags, used - flags
+    embedded = engine_command(AgentConfig(model_path="m", max_inflight_per_engine=8), "B", 0, 9000)
+    assert embedded[1:] == ["-m", "services.engine", "--model-path", "m", "--host", "127.0.0.1", "--port", "9000",
+                            "--engine-id", "B-0", "--max-batch", "8"]
+
+
+def test_config_fields_of_the_lifecycle() -> None:
+    base = {"run": {"name": "x"}, "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}}}
+    cfg = parse_config({**base, "agents": {"A": {"model_path": "m"}}})
+    a = cfg.agents["A"]
+    assert (a.router_port, a.engine_base_port, a.sglang.tp_size, a.sglang.mem_fraction_static,
+            a.sglang.base_gpu_id, a.sglang.extra_args) == (0, 0, 1, 0.85, 0, [])
+    for bad, field in (({"sglang": {"tp_size": 0}}, "sglang.tp_size"), ({"router_port": 70000}, "router_port"),
+                       ({"sglang": {"mem_fraction_static": 1.5}}, "mem_fraction_static"),
+                       ({"sglang": {"gpus": 2}}, "sglang.gpus")):
+        with pytest.raises(ConfigError, match=field):
+            parse_config({**base, "agents": {"A": {"model_path": "m", **bad}}})
+
+
+async def _events(bus: Bus, kind: str) -> list[Event]:
+    return [e for e in await bus.read_all(bus.streams.events, Event) if e.kind == kind]
+
+
+@pytest.mark.slow
+def test_kill_an_engine_mid_run(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    cfg = {"run": {"name": "fleet", "checkpoint_root": str(tmp_path / "ck"), "output_dir": str(tmp_path / "runs")},
+           "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+           "agents": {"A": {"model_path": str(tiny_model_dir), "num_engines": 2, "max_inflight_per_engine": 4}}}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model_dir, v1)
+    for f in v1.glob("*.safetensors"):
+        save_file({k: v * 1.01 for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    env = {**os.environ, "TANDEM_REDIS_URL": redis_url, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    log = (tmp_path / "rollout.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(path), "--agent", "A"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        asyncio.run(_drive(proc, redis_url, v1, tmp_path / "rollout.log"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_path: Path) -> None:
+    """Load v1, send turns, kill -9 one of the two engines while they run, check nothing is lost."""
+    bus = Bus(redis_url, "fleet", "test")
+    s = bus.streams
+    replies: dict[str, GenerateReply] = {}
+
+    async def send(n: int, tag: str) -> list[str]:
+        ids = []
+        for i in range(n):
+            req = GenerateRequest(agent="A", episode_id=f"{tag}{i}", group_id="g", turn=0, role="X",
+                                  input_ids=[5 + i % 50, 6, 7], reply_stream=s.replies("test"),
+                                  sampling=SamplingParams(max_new_tokens=24, temperature=1.0, seed=i))
+            await bus.publish(s.turns("A"), req)
+            ids.append(req.id)
+            await asyncio.sleep(0.05)
+        return ids
+
+    async def collect(ids: list[str], within: float) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and not set(ids) <= set(replies):
+            for r in await bus.read_all(s.replies("test"), GenerateReply):
+                replies[r.request_id] = r
+            await asyncio.sleep(0.3)
+
+    async def load() -> dict[str, Any]:
+        ev = await _events(bus, "rollout_load")
+        return ev[-1].data if ev else {}
+
+    try:
+        for _ in range(600):  # both engines registered
+            assert proc.poll() is None, f"the rollout exited; see {log_path}"
+            if sum(e["healthy"] for e in (await load()).get("engines", [])) == 2:
+                break
+            await asyncio.sleep(0.2)
+        await bus.publish(s.weights("A"), WeightsUpdate(agent="A", version=1, path=str(v1), checksum="x"))
+        first = await send(10, "a")
+        await collect(first, 60)
+        assert len(await _events(bus, "weights_loaded")) == 1
+        engines = (await load())["engines"]
+        victim = engines[1]
+        more = asyncio.create_task(send(30, "b"))
+        await asyncio.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)  # mid-run, requests in flight
+        second = await more
+        await collect(first + second, 90)
+        assert set(first + second) <= set(replies), f"lost {len(set(first + second) - set(replies))} turn(s)"
+        for rid in first + second:
+            r = replies[rid]
+            assert r.error is None and r.finish_reason in ("stop", "length") and r.weight_version == 1
+            assert len(r.output_ids) == len(r.output_logprobs) > 0
+        for _ in range(300):  # the engine comes back, on version 1, registered again
+            back = next(e for e in (await load())["engines"] if e["url"] == victim["url"])
+            if back["healthy"] and back["restarts"] == 1:
+                break
+            await asyncio.sleep(0.2)
+        assert back["healthy"] and back["restarts"] == 1 and back["pid"] != victim["pid"]
+        async with httpx.AsyncClient(timeout=5) as http:
+            info = (await http.get(f"{victim['url']}/get_model_info")).json()
+        assert info["weight_version"] == "1"  # the latest version was re-applied before it rejoined
+        third = await send(8, "c")
+        await collect(third, 60)
+        assert {replies[r].engine for r in third} == {"A-0", "A-1"}  # traffic reaches it again
+        assert (await load())["capacity"] == 8
+    finally:
+        await bus.close()

@@ -1,0 +1,32 @@
+"""A trainer's per-step metrics reach ``/v1/metrics`` once per version, re-sends after a crash included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from services.common.bus import Bus
+from services.contracts.config import parse_config
+from services.contracts.messages import Event
+from services.coordinator.api import create_app
+from services.coordinator.scheduler import Coordinator
+
+
+async def test_train_step_metrics_are_served_once_per_version(redis_url: str, tiny_model_dir: Path) -> None:
+    cfg = parse_config({"run": {"name": "metrics"}, "redis_url": redis_url,
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    bus = Bus(redis_url, "metrics", "coordinator")
+    coord = Coordinator(cfg, bus)
+    step = {"loss": 0.5, "pg_loss": 0.4, "kl": 0.01, "kl_loss": 0.1, "entropy": 2.0, "entropy_loss": -0.0,
+            "clip_frac": 0.1, "grad_norm": 0.7, "tis_ratio_mean": 1.1, "tis_ratio_max": 2.5, "tokens_per_s": 900.0}
+    for version in (1, 1, 2):  # version 1 re-announced after a trainer restart
+        await coord.on_event(Event(source="trainer-A", kind="train_step", agent="A",
+                                   data={**step, "version": version}))
+    transport = httpx.ASGITransport(app=create_app(coord))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        got = (await client.get("/v1/metrics", params={"agent": "A"})).json()["A"]["train_steps"]
+    assert [s["version"] for s in got] == [1, 2]
+    assert {k: got[0][k] for k in step} == step
+    await bus.close()
