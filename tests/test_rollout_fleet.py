@@ -176,6 +176,17 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
         await collect(third, 60)
         assert {replies[r].engine for r in third} == {"A-0", "A-1"}  # traffic reaches it again
         assert (await load())["capacity"] == 8
+        # an older version arriving late (a redelivered update) never rolls the engines back
+        for version in (3, 2):
+            await bus.publish(s.weights("A"), WeightsUpdate(agent="A", version=version, path=str(v1), checksum="x"))
+        for _ in range(300):
+            groups = await bus.redis.xinfo_groups(s.weights("A"))
+            if all(int(g.get("lag") or 0) == 0 and int(g.get("pending") or 0) == 0 for g in groups):
+                break
+            await asyncio.sleep(0.1)
+        assert [e.data["version"] for e in await _events(bus, "weights_loaded")] == [1, 3]
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{victim['url']}/get_model_info")).json()["weight_version"] == "3"
     finally:
         await bus.close()
 

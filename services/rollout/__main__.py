@@ -17,6 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
+
+import httpx
 
 from services.common.bus import Bus, RetryLater
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
@@ -82,6 +85,10 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
     async def on_weights(w: WeightsUpdate) -> None:
         if w.agent != agent:
             raise ValueError(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
+        loaded = await bus.redis.get(s.loaded_version(agent))
+        if loaded is not None and w.version < int(loaded):  # a redelivered old update never rolls engines back
+            log.warning("version %d arrived after version %s was loaded: skipped", w.version, int(loaded))
+            return
         if fleet is not None:
             engines = await fleet.load_weights(w.path, w.version)
         else:
@@ -104,8 +111,10 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
                 for g in await bus.redis.xinfo_groups(s.turns(agent)):
                     if g["name"] in (b"rollout", "rollout"):
                         depth = int(g.get("lag") or 0) + int(g.get("pending") or 0)
-            engines = fleet.snapshot() if fleet else [{"url": u, "healthy": True} for u in await list_workers(
-                router_url)]
+            engines: list[dict[str, Any]] = fleet.snapshot() if fleet else []
+            if fleet is None:
+                with contextlib.suppress(httpx.HTTPError, RuntimeError):  # an external router may be down a while
+                    engines = [{"url": u, "healthy": True} for u in await list_workers(router_url)]
             await bus.publish(s.events, Event(source=bus.service, kind="rollout_load", agent=agent, data={
                 "queue_depth": depth, "inflight": limiter.inflight, "capacity": limiter.capacity(),
                 "waiting": limiter.waiting, "router": router_url, "engines": engines}))
