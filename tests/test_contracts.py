@@ -69,6 +69,8 @@ def test_sample_alignment_is_enforced():
         Sample(**{**SAMPLE.model_dump(), "loss_mask": [0, 1]})
     with pytest.raises(ValidationError, match="covers no token"):
         Sample(**{**SAMPLE.model_dump(), "loss_mask": [0, 0, 0, 0]})
+    with pytest.raises(ValidationError):  # a NaN reward would poison the advantages
+        Sample(**{**SAMPLE.model_dump(), "reward": float("nan")})
 
 
 def _demo() -> dict:

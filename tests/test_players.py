@@ -7,6 +7,7 @@ Also the episode loop with real tiny models played in-process, per-turn rewards,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import subprocess
@@ -188,3 +189,17 @@ def test_a_prompt_past_the_context_ends_the_episode_as_truncated(tiny_model_dir:
                                       "eval", random.Random(0), {player: first_prompt // 2}))
     assert result.summary["truncated"] and result.rewards == {"P0": 0.0, "P1": 0.0}
     assert result.transcript[-1]["truncated"] and result.views["P0"].tokens == []  # nothing past the limit
+
+
+class NanReward(GuessNumber):
+    """A buggy plug-in: its final reward is NaN."""
+
+    async def step(self, role, text):
+        result = await super().step(role, text)
+        return dataclasses.replace(result, rewards={"guesser": float("nan")}, done=True)
+
+
+def test_a_non_finite_reward_abandons_the_episode_and_never_reaches_a_sample() -> None:
+    with pytest.raises(ValueError, match="non-finite rewards"):
+        asyncio.run(play_episode(NanReward({"max_turns": 3}, 0), "e4", "g3", {"guesser": "scripted:random"},
+                                 {}, {}, None, "local", "eval", random.Random(0)))

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -96,8 +96,8 @@ class Sample(Message):
     tokens: list[int] = Field(min_length=1)
     loss_mask: list[int]
     rollout_logprobs: list[float]
-    reward: float
-    reward_terms: dict[str, float] = Field(default_factory=dict)
+    reward: FiniteFloat
+    reward_terms: dict[str, FiniteFloat] = Field(default_factory=dict)
     turn_weight_versions: list[int] = Field(min_length=1)
     engines: list[str] = Field(default_factory=list)
     reply_ids: list[str] = Field(default_factory=list)

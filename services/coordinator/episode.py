@@ -10,6 +10,7 @@ Per-turn rewards, when an environment gives them, are added to the final ones.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -147,5 +148,8 @@ async def play_episode(
         rewards = {r: 0.0 for r in roles}
     for r, v in turn_rewards.items():  # per-turn rewards add to the final one
         rewards[r] = rewards.get(r, 0.0) + v
+    bad = {r: v for r, v in rewards.items() if not math.isfinite(v)}
+    if bad:  # a NaN would poison the group's advantages and the weights: abandon this episode instead
+        raise ValueError(f"environment {type(env).__name__} gave non-finite rewards {bad} (episode {episode_id})")
     summary = {**env.summary(), **({"truncated": True} if truncated else {})}
     return EpisodeResult(episode_id, group_id, roles, rewards, transcript, views, summary, purpose)
