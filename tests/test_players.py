@@ -24,7 +24,7 @@ from services.coordinator.evaluation import eval_roles, outcome
 from services.coordinator.local_policy import POLICY, LocalPolicies
 from services.coordinator.scheduler import Coordinator
 from services.envs.guess_number import GuessNumber
-from services.envs.registry import load_environment
+from services.envs.registry import check_environment_config, load_environment
 from services.envs.tictactoe import TicTacToe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,3 +203,14 @@ def test_a_non_finite_reward_abandons_the_episode_and_never_reaches_a_sample() -
     with pytest.raises(ValueError, match="non-finite rewards"):
         asyncio.run(play_episode(NanReward({"max_turns": 3}, 0), "e4", "g3", {"guesser": "scripted:random"},
                                  {}, {}, None, "local", "eval", random.Random(0)))
+
+
+def test_alternating_roles_may_not_rotate_a_scripted_player_into_a_role_it_cannot_play() -> None:
+    roles = {"pro": "A", "con": "B", "judge": "scripted:rules"}
+    with pytest.raises(ValueError, match="environment.alternate_roles"):
+        check_environment_config(parse_config(config(roles, env="debate", alternate_roles=True,
+                                                     eval={"episodes": 0})).environment)
+    check_environment_config(parse_config(config(roles, env="debate", eval={"episodes": 0})).environment)
+    tictactoe = parse_config(config({"X": "A", "O": "scripted:minimax"}, {"A": {"model_path": "m"}},
+                                    alternate_roles=True))
+    check_environment_config(tictactoe.environment)  # minimax plays either side

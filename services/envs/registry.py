@@ -77,6 +77,13 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
     for role, player in env_cfg.roles.items():
         if player.startswith("scripted:"):
             check_scripted(env_cls, role, player[len("scripted:"):], f"environment.roles.{role}")
+    if env_cfg.alternate_roles:  # the coordinator rotates the whole role -> player map every group
+        roles, players = list(env_cfg.roles), list(env_cfg.roles.values())
+        for k in range(1, len(players)):
+            for role, player in zip(roles, players[k:] + players[:k], strict=True):
+                if player.startswith("scripted:"):
+                    check_scripted(env_cls, role, player[len("scripted:"):],
+                                   f"environment.alternate_roles (rotated, roles.{role} = {player})")
     opponent = env_cfg.eval.opponent
     if env_cfg.eval.episodes:
         fixed = {r for r, p in env_cfg.roles.items() if p.startswith("scripted:")}  # they keep their player
