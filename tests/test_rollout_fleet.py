@@ -245,3 +245,31 @@ async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str
         assert coord.state.status()["agents"]["A"]["rollout"] == data
     finally:
         await bus.close()
+
+
+async def test_coordinator_sends_no_turn_before_every_rollout_has_a_healthy_engine(tiny_model_dir: Path,
+                                                                                   redis_url: str) -> None:
+    from services.coordinator.scheduler import Coordinator
+
+    m = str(tiny_model_dir)
+    cfg = parse_config({"run": {"name": "ready"},
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "B"}},
+                        "agents": {"A": {"model_path": m}, "B": {"model_path": m, "train": False}}})
+    bus = Bus(redis_url, "ready", "test")
+    try:
+        coord = Coordinator(cfg, bus)
+        waiting = asyncio.create_task(coord.wait_for_engines(timeout=60))
+
+        async def load(agent: str, healthy: bool) -> None:
+            await coord.on_event(Event(source=f"rollout-{agent}", kind="rollout_load", agent=agent, data={
+                "engines": [{"url": "http://e0", "healthy": healthy}]}))
+            await asyncio.sleep(0.05)
+
+        await load("A", True)
+        await load("B", False)  # B (frozen) is still starting its engine
+        assert not waiting.done() and coord.state.phase == "starting"
+        await load("B", True)
+        await asyncio.wait_for(waiting, 5)
+        assert coord.engines_ready == {"A", "B"}
+    finally:
+        await bus.close()

@@ -9,6 +9,7 @@ version, evaluate again, write the report and tell all services to stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +34,9 @@ log = logging.getLogger("tandem.coordinator")
 def finite(data: dict[str, Any]) -> dict[str, Any]:
     """Metrics with NaN/inf replaced by None (JSON cannot carry them)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
+
 TURN_TIMEOUT_S = 300.0
+ENGINE_WAIT_S = 1800.0  # SGLang engines can take minutes to load a real model
 MAX_EMPTY_GROUPS = 50
 EPISODE_CACHE = 2000
 
@@ -59,6 +62,7 @@ class Coordinator:
         self.group_tasks: set[asyncio.Task[None]] = set()
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
+        self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -88,6 +92,10 @@ class Coordinator:
         if ev.kind == "weights_loaded" and ev.agent in self.versions and ev.data.get("path"):
             if ev.data["path"] not in self.versions[ev.agent]:
                 self.versions[ev.agent].append(str(ev.data["path"]))
+        if ev.kind == "rollout_load" and ev.agent and ev.agent not in self.engines_ready and any(
+                e.get("healthy") for e in ev.data.get("engines", [])):
+            self.engines_ready.add(ev.agent)  # frozen agents too: they have no AgentState
+            await self.notify()
         agent = self.state.agents.get(ev.agent or "")
         if agent is None:
             return
@@ -272,7 +280,21 @@ class Coordinator:
         return next((a for a, vs in self.versions.items() if path in vs), next(iter(self.cfg.agents)))
 
     # --- the run ------------------------------------------------------------
+    async def wait_for_engines(self, timeout: float = ENGINE_WAIT_S) -> None:  # noqa: ASYNC109 (gives up, logs)
+        """No turn is sent before every agent's rollout reports a healthy engine (or the wait runs out)."""
+        deadline = time.monotonic() + timeout
+        async with self.changed:
+            while not self.state.stop_requested and (missing := set(self.cfg.agents) - self.engines_ready):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("no healthy engine reported for %s after %.0fs; starting anyway", missing, timeout)
+                    return
+                log.info("waiting for the engines of %s", ", ".join(sorted(missing)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), min(left, 30.0))
+
     async def run(self) -> None:
+        await self.wait_for_engines()
         self.state.phase = "eval_start"
         if self.cfg.environment.eval.episodes:
             for agent, score in (await self.evaluate_all("start")).items():
