@@ -189,3 +189,27 @@ async def test_under_torchrun_only_local_rank_0_serves_health(redis_url, monkeyp
             await client.get(f"http://127.0.0.1:{port}/health")
     stop.set()
     await asyncio.wait_for(runner, 5)
+
+
+async def test_a_process_without_service_loops_serves_health_while_it_works():
+    """The megatron follower ranks on other nodes run no loops but their pods are probed too."""
+    port = free_port()
+    release = asyncio.Event()
+
+    async def follow() -> str:
+        await release.wait()
+        return "done"
+
+    task = asyncio.create_task(service.serve_health_during("trainer.A", follow, health_port=port))
+    async with httpx.AsyncClient(timeout=5) as client:
+        for _ in range(50):
+            try:
+                resp = await client.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.ConnectError:
+                await asyncio.sleep(0.05)
+        assert resp.status_code == 200 and resp.json()["service"] == "trainer.A"
+        release.set()
+        assert await task == "done"
+        with pytest.raises(httpx.ConnectError):  # closed with the work
+            await client.get(f"http://127.0.0.1:{port}/health")

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from services.common.bus import Bus
 from services.common.health import HealthServer, health_port_from_env
@@ -55,6 +56,7 @@ def parse_args(service: str, per_agent: bool, extra: Callable[[argparse.Argument
     return args
 
 
+T = TypeVar("T")
 _health_port = 0  # set by parse_args: the services' main() passes it on to run_service implicitly
 
 
@@ -91,6 +93,20 @@ async def watch_control(bus: Bus, group: str, stop: asyncio.Event,
             stop.set()
 
     await bus.consume(bus.streams.control, group, group, Control, handle, stop, start="$")
+
+
+async def serve_health_during(name: str, work: Callable[[], Awaitable[T]], health_port: int | None = None) -> T:
+    """Serve ``GET /health`` (200) while ``work`` runs: for processes that run no service loops, such as
+    the megatron follower ranks, whose pods still need to answer their probes."""
+    port = _health_port if health_port is None else health_port
+    health = HealthServer(name, lambda: (True, ""), port=port) if port else None
+    if health is not None:
+        await health.start()
+    try:
+        return await work()
+    finally:
+        if health is not None:
+            await health.close()
 
 
 async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitable[None],

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from services.common.bus import Bus
-from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
+from services.common.service import (
+    load_or_exit,
+    parse_args,
+    run_service,
+    serve_health_during,
+    setup_logging,
+    watch_control,
+)
 from services.contracts.messages import Batch, Control, Event, Sample, WeightsUpdate
 from services.trainer.backends import make_policy
 
@@ -69,7 +76,10 @@ async def main_async(config: str, agent: str) -> int:
         log.error("invalid config %s: agents.%s.%s", config, agent, exc)
         return 2
     if getattr(policy, "follower", False):  # megatron under torchrun: ranks > 0 run what rank 0 runs
-        await asyncio.to_thread(policy.follow)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # a follower pod (other nodes) still answers its probes
+            await serve_health_during(f"trainer.{agent}", lambda: asyncio.to_thread(policy.follow))
+        else:
+            await asyncio.to_thread(policy.follow)
         return 0
     tidy_states(state_root, version)
     if version:
