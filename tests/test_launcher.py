@@ -111,3 +111,16 @@ def test_sigterm_stops_every_service_and_the_embedded_redis(tmp_path, tiny_model
     assert proc.returncode == 130, out[-2000:]
     assert "stopping every service" in out
     _all_gone(children)
+
+
+def test_preflight_names_fields_that_claim_one_port():
+    from services.contracts.config import parse_config
+    from services.launcher.preflight import port_clashes
+
+    cfg = parse_config({"run": {"name": "p"}, "api": {"port": 31000},
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "B"}},
+                        "agents": {"A": {"model_path": "m", "router_port": 31000, "engine_base_port": 31010,
+                                         "num_engines": 2},
+                                   "B": {"model_path": "m", "engine_base_port": 31011}}})
+    assert port_clashes(cfg) == ["api.port and agents.A.router_port: both use port 31000",
+                                 "agents.A.engine_base_port and agents.B.engine_base_port: both use port 31011"]

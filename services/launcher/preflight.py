@@ -18,6 +18,21 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def port_clashes(cfg: TandemConfig) -> list[str]:
+    """Fixed ports that two fields of one config both claim (each would bind on this machine)."""
+    claims: dict[int, list[str]] = {}
+    if cfg.api.port:
+        claims.setdefault(cfg.api.port, []).append("api.port")
+    for name, agent in cfg.agents.items():
+        if agent.router_port:
+            claims.setdefault(agent.router_port, []).append(f"agents.{name}.router_port")
+        if agent.engine_base_port:
+            for p in range(agent.engine_base_port, agent.engine_base_port + agent.num_engines):
+                claims.setdefault(p, []).append(f"agents.{name}.engine_base_port")
+    return [f"{' and '.join(fields)}: both use port {port}" for port, fields in sorted(claims.items())
+            if len(fields) > 1]
+
+
 def preflight(cfg: TandemConfig, source: str) -> None:
     problems: list[str] = []
     try:
@@ -37,5 +52,6 @@ def preflight(cfg: TandemConfig, source: str) -> None:
         busy = [p for p in range(base, base + agent.num_engines) if base and not port_is_free("127.0.0.1", p)]
         if busy:
             problems.append(f"agents.{name}.engine_base_port: port(s) {busy} in use (0 picks free ports)")
+    problems.extend(port_clashes(cfg))
     if problems:
         raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(problems))
