@@ -10,6 +10,7 @@ it generates is trained on.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -56,7 +57,7 @@ class LocalPolicies:
         stop = {tok.eos_token_id, *sp.stop_token_ids}
         with self.lock, torch.no_grad():
             model = self._model(path)
-            gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else torch.seed() % 2**63)
+            gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else random.getrandbits(63))
             ids = torch.tensor([req.input_ids])
             out = model(ids, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1]
