@@ -37,6 +37,7 @@ named ``package.module:Class`` (a subclass of ``Algorithm``).
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from services.contracts.config import BUILTIN_ALGORITHMS, AlgorithmConfig
 from services.trainer.algorithms.base import (
@@ -88,5 +89,21 @@ def mean_stats(parts: list[Stats]) -> Stats:
     return out
 
 
+def step_metrics(parts: list[Stats], samples: list[Any], plan: StepPlan, cfg: AlgorithmConfig, backend: str,
+                 lr: float, grad_norms: list[float], elapsed: float) -> dict[str, Any]:
+    """The ``train_step`` metrics every backend reports for one batch (same keys whatever the backend)."""
+    tokens = sum(len(s.tokens) for s in plan.samples) * cfg.epochs
+    out: dict[str, Any] = {**mean_stats(parts), "algorithm": cfg.name, "backend": backend,
+                           "reward_mean": sum(s.reward for s in samples) / max(len(samples), 1),
+                           "samples": len(samples), "samples_trained": len(plan.samples),
+                           "optimizer_steps": len(parts), "lr": lr, "tokens": tokens, "train_seconds": elapsed,
+                           "tokens_per_s": tokens / max(elapsed, 1e-9)}
+    out.setdefault("pg_loss", 0.0)
+    out.setdefault("clip_frac", 0.0)
+    if grad_norms:
+        out.update(grad_norm=max(grad_norms), grad_norm_mean=sum(grad_norms) / len(grad_norms))
+    return out
+
+
 __all__ = ["ALGORITHMS", "Algorithm", "LossInputs", "Stats", "StepPlan", "kl_estimate", "load_algorithm_class",
-           "make_algorithm", "make_inputs", "masked_mean", "mean_stats"]
+           "make_algorithm", "make_inputs", "masked_mean", "mean_stats", "step_metrics"]

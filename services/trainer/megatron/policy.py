@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.trainer.algorithms import make_algorithm, make_inputs, mean_stats
+from services.trainer.algorithms import make_algorithm, make_inputs, step_metrics
 from services.trainer.grpo import token_entropy, token_logprobs
 from services.trainer.megatron.layout import check_layout
 from services.trainer.megatron.model import arch_of, build_model, init_parallel
@@ -265,19 +265,8 @@ class MegatronPolicy:
                 self.scheduler.step()
                 parts.append(self._average(self._last_stage_result(outputs)))
         self.version += 1
-        tokens = sum(len(s.tokens) for s in plan.samples) * self.cfg.epochs
-        elapsed = time.perf_counter() - start
-        rewards = torch.tensor([s.reward for s in samples])
-        out: dict[str, Any] = {**mean_stats(parts), "algorithm": self.cfg.name, "backend": "megatron",
-                               "reward_mean": float(rewards.mean()), "samples": len(samples),
-                               "samples_trained": len(plan.samples), "optimizer_steps": len(parts),
-                               "lr": self.scheduler.get_last_lr()[0], "tokens": tokens,
-                               "train_seconds": elapsed, "tokens_per_s": tokens / max(elapsed, 1e-9)}
-        out.setdefault("pg_loss", 0.0)
-        out.setdefault("clip_frac", 0.0)
-        if grad_norms:
-            out.update(grad_norm=max(grad_norms), grad_norm_mean=sum(grad_norms) / len(grad_norms))
-        return out
+        return step_metrics(parts, samples, plan, self.cfg, "megatron", self.scheduler.get_last_lr()[0],
+                            grad_norms, time.perf_counter() - start)
 
     # -- weights for the engines ---------------------------------------------------------
     def save(self, out_dir: Path) -> tuple[Path, str]:
