@@ -13,8 +13,8 @@ import torch
 
 from services.contracts.config import AlgorithmConfig, ConfigError, parse_config
 from services.contracts.messages import Sample
-from services.trainer.algorithms import ALGORITHMS, load_algorithm_class, make_algorithm, make_inputs
-from services.trainer.algorithms.base import kl_estimate
+from services.training.algorithms import ALGORITHMS, load_algorithm_class, make_algorithm, make_inputs
+from services.training.algorithms.base import kl_estimate
 
 MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
 ADV = torch.tensor([1.0, -1.0])
@@ -202,11 +202,11 @@ def test_sft_filter_and_stale_flags() -> None:
 def test_registry_names_and_plugins() -> None:
     assert set(ALGORITHMS) == {"grpo", "dr_grpo", "ppo", "gspo", "cispo", "reinforce_pp", "reinforce_pp_baseline",
                                "sft", "dpo"}
-    assert load_algorithm_class("services.trainer.algorithms.policy_gradient:PPO") is ALGORITHMS["ppo"]
+    assert load_algorithm_class("services.training.algorithms.policy_gradient:PPO") is ALGORITHMS["ppo"]
     with pytest.raises(ValueError, match="available: grpo, dr_grpo"):
         load_algorithm_class("nope")
     with pytest.raises(ValueError, match="not a subclass"):
-        load_algorithm_class("services.trainer.grpo:token_logprobs")
+        load_algorithm_class("services.training.grpo:token_logprobs")
     with pytest.raises(ValueError, match="cannot load plug-in"):
         load_algorithm_class("services.nowhere:Algo")
 

@@ -21,8 +21,8 @@ from fastapi import FastAPI
 from safetensors.torch import load_file, save_file
 
 from services.contracts.sglang_api import GenerateReqOutput
-from services.engine.generator import Engine
 from services.engine.server import create_app
+from services.inference.generator import Engine
 
 
 @pytest.fixture(scope="module")

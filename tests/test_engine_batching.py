@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.engine.server import create_app
-from services.trainer.grpo import token_logprobs
+from services.training.grpo import token_logprobs
 
 
 @pytest.fixture(scope="module")

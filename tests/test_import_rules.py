@@ -1,8 +1,8 @@
 """The architecture rule, checked: services never import each other; contracts import no service.
 
 A service is a package under ``services/`` with a ``__main__`` (it runs as its own process).
-Libraries (``common``, ``envs``, ``demo``) may be imported by any package; ``contracts`` may
-import only itself.
+Libraries (``common``, ``envs``, ``demo``, ``training``, ``inference``) may be imported by any
+package; ``contracts`` may import only itself.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from services.contracts.config import AgentConfig, AlgorithmConfig, LoraConfig
 from services.contracts.messages import Sample
-from services.trainer.backends import make_policy
-from services.trainer.torch_backend import TorchPolicy, pad_batch
+from services.training.backends import make_policy
+from services.training.torch_backend import TorchPolicy, pad_batch
 
 LORA = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 

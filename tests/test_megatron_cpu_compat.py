@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from services.trainer.megatron import cpu_compat  # noqa: E402
-from services.trainer.megatron.model import init_parallel  # noqa: E402
+from services.training.megatron import cpu_compat  # noqa: E402
+from services.training.megatron.model import init_parallel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is for machines without a GPU")
 

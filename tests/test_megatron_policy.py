@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from services.contracts.config import AgentConfig, AlgorithmConfig, ConfigError, MegatronLayout  # noqa: E402
 from services.contracts.messages import Sample  # noqa: E402
-from services.trainer.backends import make_policy  # noqa: E402
+from services.training.backends import make_policy  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 
@@ -44,7 +44,7 @@ def agent(model_dir: Path, backend: str = "megatron", **algo: object) -> AgentCo
 
 
 def seq_logp(policy: object, s: Sample) -> float:
-    from services.trainer.torch_backend import pad_batch
+    from services.training.torch_backend import pad_batch
 
     b = pad_batch([s], policy.pad_id)
     return float((policy.logprobs(b) * b["mask"]).sum())
@@ -88,10 +88,10 @@ def test_exported_directory_loads_in_transformers(tiny_model_dir: Path, tmp_path
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in path.iterdir()}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    from services.trainer.torch_backend import pad_batch
+    from services.training.torch_backend import pad_batch
 
     b = pad_batch(SAMPLES, policy.pad_id)
-    from services.trainer.grpo import token_logprobs
+    from services.training.grpo import token_logprobs
 
     with torch.no_grad():
         want = token_logprobs(hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1],
@@ -117,8 +117,8 @@ def test_save_state_and_load_state_resume_exactly(tiny_model_dir: Path, tmp_path
 def test_inconsistent_layouts_fail_naming_the_field(tiny_model_dir: Path) -> None:
     from transformers import AutoConfig
 
-    from services.trainer.megatron.layout import check_layout
-    from services.trainer.megatron.model import arch_of
+    from services.training.megatron.layout import check_layout
+    from services.training.megatron.model import arch_of
 
     arch = arch_of(AutoConfig.from_pretrained(tiny_model_dir))  # 4 heads, 2 kv heads, 2 layers
     cases = [

@@ -17,8 +17,8 @@ pytest.importorskip("megatron.core")
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 from services.demo.tiny_model import build_tokenizer  # noqa: E402
-from services.trainer.megatron.model import UnsupportedModel, arch_of, build_model, init_parallel  # noqa: E402
-from services.trainer.megatron.weights import (  # noqa: E402
+from services.training.megatron.model import UnsupportedModel, arch_of, build_model, init_parallel  # noqa: E402
+from services.training.megatron.weights import (  # noqa: E402
     fuse_qkv,
     hf_to_mcore,
     load_hf_state,
@@ -114,7 +114,7 @@ def test_unsupported_configs_fail_clearly() -> None:
     with pytest.raises(UnsupportedModel, match="model_type 'gpt2'"):
         arch_of(GPT2Config())
     with pytest.raises(UnsupportedModel, match="rope_type 'yarn'"):
-        from services.trainer.megatron.model import rope_inv_freq
+        from services.training.megatron.model import rope_inv_freq
 
         rope_inv_freq(Qwen3Config(**COMMON, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                           "original_max_position_embeddings": 64}))

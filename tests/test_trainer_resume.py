@@ -28,7 +28,7 @@ from services.contracts.codec import FIELD, decode, encode
 from services.contracts.config import load_config
 from services.contracts.messages import Batch, Event, Sample
 from services.contracts.streams import Streams
-from services.trainer.backends import make_policy
+from services.training.backends import make_policy
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import torch
 
 from services.contracts.config import AgentConfig, AlgorithmConfig
 from services.contracts.messages import Sample
-from services.trainer.backends import make_policy
-from services.trainer.torch_backend import TorchPolicy, pad_batch
+from services.training.backends import make_policy
+from services.training.torch_backend import TorchPolicy, pad_batch
 
 PROMPT = [5, 6, 7, 8]
 GOOD, BAD = [40, 41, 42], [50, 51, 52]
@@ -117,7 +117,7 @@ def test_trainer_service_refuses_a_bad_plugin_at_start(tmp_path: Path, redis_url
         "run": {"name": "badalgo", "checkpoint_root": str(tmp_path / "ckpt")}, "redis_url": redis_url,
         "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
         "agents": {"A": {"model_path": str(tiny_model_dir),
-                         "algorithm": {"name": "services.trainer.grpo:token_logprobs"}}}}))
+                         "algorithm": {"name": "services.training.grpo:token_logprobs"}}}}))
     proc = subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(cfg), "--agent", "A"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

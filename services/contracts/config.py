@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from services.contracts.messages import SamplingParams
 
 PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-# the trainer's registry (services/trainer/algorithms) holds exactly these; plug-ins: package.module:Class
+# the trainer's registry (services/training/algorithms) holds exactly these; plug-ins: package.module:Class
 BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "ppo", "gspo", "cispo", "reinforce_pp", "reinforce_pp_baseline", "sft",
                       "dpo")
 

@@ -41,7 +41,7 @@ from services.contracts.sglang_api import (
     UpdateWeightFromDiskReqOutput,
     error_body,
 )
-from services.engine.generator import Engine, EngineError, GenRequest
+from services.inference.generator import Engine, EngineError, GenRequest
 
 VERSION = "0.5.0-tandem-embedded"
 

@@ -36,7 +36,7 @@ from services.common.service import (
     watch_control,
 )
 from services.contracts.messages import Batch, Control, Event, Sample, WeightsUpdate
-from services.trainer.backends import make_policy
+from services.training.backends import make_policy
 
 KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
 

@@ -48,7 +48,7 @@ def game_view(tokenizer, seed: int, group: int) -> Sample:  # type: ignore[no-un
 
 def measure(backends: list[str], model_dir: Path, samples: list[Sample], steps: int) -> dict[str, float]:
     """Median tokens/s per backend; the backends' steps alternate, so a busy machine slows them alike."""
-    from services.trainer.backends import make_policy
+    from services.training.backends import make_policy
 
     policies = {}
     for backend in backends:
@@ -75,7 +75,7 @@ def run(steps: int = 5) -> dict[str, float]:
                                  "batch_tokens": float(sum(len(s.tokens) for s in samples))}
         backends = ["torch"]
         try:
-            import services.trainer.megatron  # noqa: F401
+            import services.training.megatron  # noqa: F401
             backends.append("megatron")
         except ImportError:
             pass

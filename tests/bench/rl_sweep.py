@@ -32,7 +32,7 @@ from services.contracts.config import AgentConfig, AlgorithmConfig  # noqa: E402
 from services.contracts.messages import Sample  # noqa: E402
 from services.demo.warmstart import Episode, ModelPlayer, eval_vs_scripted, play_episodes  # noqa: E402
 from services.envs.tictactoe import TicTacToe  # noqa: E402
-from services.trainer.torch_backend import TorchPolicy  # noqa: E402
+from services.training.torch_backend import TorchPolicy  # noqa: E402
 
 
 def build_samples(episodes: list[Episode], group_ids: list[str], group_size: int, step: int,

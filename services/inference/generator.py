@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from services.engine.batch import RunningBatch
+from services.inference.batch import RunningBatch
 
 log = logging.getLogger("tandem.engine")
 _GREEDY_BELOW = 1e-6  # as in SGLang: a lower temperature means greedy, logprobs of T = 1

@@ -1,6 +1,6 @@
 """The megatron-core training backend: ``MegatronPolicy(acfg, temperature)``.
 
-Same contract as the torch backend (``services.trainer.backends``): ``train_step``,
+Same contract as the torch backend (``services.training.backends``): ``train_step``,
 ``save`` (an HF directory the engines load), ``save_state``/``load_state``, ``version``.
 The maths is the shared algorithm registry; this module owns the megatron side: the
 GPTModel (tensor/pipeline parallel), forward and backward through megatron's pipeline
@@ -31,11 +31,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.trainer.algorithms import make_algorithm, make_inputs, step_metrics
-from services.trainer.grpo import token_entropy, token_logprobs
-from services.trainer.megatron.layout import check_layout
-from services.trainer.megatron.model import arch_of, build_model, init_parallel
-from services.trainer.megatron.weights import (
+from services.training.algorithms import make_algorithm, make_inputs, step_metrics
+from services.training.grpo import token_entropy, token_logprobs
+from services.training.megatron.layout import check_layout
+from services.training.megatron.model import arch_of, build_model, init_parallel
+from services.training.megatron.weights import (
     global_name,
     hf_to_mcore,
     load_hf_state,
@@ -43,8 +43,8 @@ from services.trainer.megatron.weights import (
     shard,
     unshard,
 )
-from services.trainer.schedule import lr_factor
-from services.trainer.torch_backend import file_checksum, pad_batch, replace_dir
+from services.training.schedule import lr_factor
+from services.training.torch_backend import file_checksum, pad_batch, replace_dir
 
 STATE_FILE = "megatron_rank{tp}_{pp}.pt"
 

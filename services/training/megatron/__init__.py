@@ -14,6 +14,6 @@ import warnings
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 logging.getLogger("megatron.core").setLevel(logging.WARNING)
 
-from services.trainer.megatron.policy import MegatronPolicy  # noqa: E402
+from services.training.megatron.policy import MegatronPolicy  # noqa: E402
 
 __all__ = ["MegatronPolicy"]

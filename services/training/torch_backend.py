@@ -2,7 +2,7 @@
 
 Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
-``train_step`` with the configured algorithm (``services.trainer.algorithms``),
+``train_step`` with the configured algorithm (``services.training.algorithms``),
 writes each version as an HF directory the engines load (merged, under LoRA), and
 saves / restores the full training state for resume.
 """
@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.trainer.algorithms import make_algorithm, make_inputs, step_metrics
-from services.trainer.grpo import token_entropy, token_logprobs
-from services.trainer.schedule import lr_factor
+from services.training.algorithms import make_algorithm, make_inputs, step_metrics
+from services.training.grpo import token_entropy, token_logprobs
+from services.training.schedule import lr_factor
 
 STATE_FILE = "trainer_state.pt"
 
@@ -60,7 +60,7 @@ def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
 
 def lora() -> ModuleType:
     """The LoRA helpers, imported only by agents that use LoRA (peft is slow to import)."""
-    return importlib.import_module("services.trainer.lora")
+    return importlib.import_module("services.training.lora")
 
 
 def replace_dir(tmp: Path, out_dir: Path) -> None:

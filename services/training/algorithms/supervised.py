@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from services.contracts.messages import Sample
-from services.trainer.algorithms.base import Algorithm, LossInputs, Stats, chunks, masked_mean, seq_sum
+from services.training.algorithms.base import Algorithm, LossInputs, Stats, chunks, masked_mean, seq_sum
 
 
 class SFT(Algorithm):

@@ -21,7 +21,7 @@ One ``train_step(samples)`` of a backend whose weights are version ``v`` does::
 Tensors are per target token (already shifted by one: position t holds the logprob of
 token t+1 given tokens ≤ t), right-padded, ``mask`` = the sample's ``loss_mask`` shifted
 the same way; ``rollout_logp`` = the sample's ``rollout_logprobs`` shifted alike. Logprobs
-are taken at the sampling temperature (``token_logprobs`` in ``services.trainer.grpo``).
+are taken at the sampling temperature (``token_logprobs`` in ``services.training.grpo``).
 ``stats`` is a flat dict of floats (``pg_loss``, ``loss``, ``kl``/``kl_loss``,
 ``entropy``/``entropy_loss``, ``clip_frac``, TIS statistics ...); the backend averages
 them over minibatches and adds ``grad_norm``, ``lr``, ``tokens_per_s`` for the
@@ -40,7 +40,7 @@ import importlib
 from typing import Any
 
 from services.contracts.config import BUILTIN_ALGORITHMS, AlgorithmConfig
-from services.trainer.algorithms.base import (
+from services.training.algorithms.base import (
     Algorithm,
     LossInputs,
     Stats,
@@ -49,8 +49,16 @@ from services.trainer.algorithms.base import (
     make_inputs,
     masked_mean,
 )
-from services.trainer.algorithms.policy_gradient import CISPO, GRPO, GSPO, PPO, DrGRPO, ReinforcePP, ReinforcePPBaseline
-from services.trainer.algorithms.supervised import DPO, SFT
+from services.training.algorithms.policy_gradient import (
+    CISPO,
+    GRPO,
+    GSPO,
+    PPO,
+    DrGRPO,
+    ReinforcePP,
+    ReinforcePPBaseline,
+)
+from services.training.algorithms.supervised import DPO, SFT
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (GRPO, DrGRPO, PPO, GSPO, CISPO, ReinforcePP, ReinforcePPBaseline, SFT, DPO)
@@ -71,7 +79,7 @@ def load_algorithm_class(name: str) -> type[Algorithm]:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"algorithm.name: cannot load plug-in {name!r}: {exc}") from None
     if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
-        raise ValueError(f"algorithm.name: {name!r} is not a subclass of services.trainer.algorithms.Algorithm")
+        raise ValueError(f"algorithm.name: {name!r} is not a subclass of services.training.algorithms.Algorithm")
     return obj
 
 

@@ -15,7 +15,7 @@ import torch
 
 from services.contracts.config import AlgorithmConfig
 from services.contracts.messages import Sample
-from services.trainer.grpo import group_advantages
+from services.training.grpo import group_advantages
 
 Stats = dict[str, float]
 

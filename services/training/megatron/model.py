@@ -150,7 +150,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> bool:
 
         model_parallel_cuda_manual_seed(seed)
     else:
-        from services.trainer.megatron import cpu_compat
+        from services.training.megatron import cpu_compat
 
         cpu_compat.enable()
         cpu_compat.seed_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from services.contracts.messages import Sample
-from services.trainer.algorithms.base import Algorithm, LossInputs, Stats, masked_mean, seq_sum
-from services.trainer.grpo import group_advantages
+from services.training.algorithms.base import Algorithm, LossInputs, Stats, masked_mean, seq_sum
+from services.training.grpo import group_advantages
 
 
 def clip_stats(ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> Stats:

@@ -7,7 +7,7 @@ A bad layout fails at start with a ``ConfigError`` that names the agent's field
 from __future__ import annotations
 
 from services.contracts.config import ConfigError, MegatronLayout
-from services.trainer.megatron.model import Arch
+from services.training.megatron.model import Arch
 
 
 def check_layout(lay: MegatronLayout, arch: Arch, world_size: int, gpus: bool) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.megatron.model import Arch
+from services.training.megatron.model import Arch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = "model.layers.{i}."

@@ -1,6 +1,6 @@
 """Logits-level helpers shared by the torch code paths: token logprobs, token entropy, group advantages.
 
-(The GRPO loss itself lives in ``services.trainer.algorithms``; this module keeps its
+(The GRPO loss itself lives in ``services.training.algorithms``; this module keeps its
 name because other code imports ``token_logprobs`` and ``group_advantages`` from here.)
 """
 

@@ -5,7 +5,7 @@ Every backend is a class ``Policy(acfg: AgentConfig, temperature: float)`` with:
 * ``version: int`` — the weight version its weights are (0 at start, set by
   ``load_state``, +1 per ``train_step``; TIS compares samples against it);
 * ``train_step(samples: list[Sample]) -> dict`` — one step with the algorithm from
-  ``services.trainer.algorithms`` (see the contract there); returns the step's
+  ``services.training.algorithms`` (see the contract there); returns the step's
   metrics (flat, JSON-able: loss terms, kl, entropy, clip_frac, grad_norm, TIS
   statistics, tokens_per_s ...), published as the ``train_step`` event;
 * ``save(out_dir: Path) -> (Path, checksum)`` — an HF directory the engines load,
@@ -24,9 +24,9 @@ from services.contracts.config import AgentConfig
 
 def make_policy(acfg: AgentConfig, temperature: float) -> Any:
     if acfg.backend == "megatron":
-        from services.trainer.megatron import MegatronPolicy  # heavy; only when asked for
+        from services.training.megatron import MegatronPolicy  # heavy; only when asked for
 
         return MegatronPolicy(acfg, temperature)
-    from services.trainer.torch_backend import TorchPolicy
+    from services.training.torch_backend import TorchPolicy
 
     return TorchPolicy(acfg, temperature)
