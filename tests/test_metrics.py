@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from services.common import service
 from services.common.bus import Bus
 from services.common.embedded_redis import free_port
+from services.common.metrics import SERVICE_STARTS, record_start
 from services.contracts.config import parse_config
 from services.contracts.messages import Event
 from services.coordinator.api import create_app
@@ -71,6 +72,9 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
                                       {"agent": "scripted:random"}]}
     await bus.dead_letter(bus.streams.samples("A"), "1-0", b"x", "invalid Sample")
     await bus.dead_letter(bus.streams.events, "2-0", b"y", "invalid Event")
+    starts = bus.streams.key(SERVICE_STARTS)
+    for svc in ("trainer-A", "trainer-A", "trainer-A", "buffer-B", "coordinator"):
+        await record_start(bus.redis, starts, svc)
 
     async with serving(create_app(coord)) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
         resp = await client.get("/metrics")
@@ -101,6 +105,9 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
     assert got[("tandem_dead_letters_total", a)] == 1 and got[("tandem_dead_letters_total", (("agent", ""),))] == 1
     assert again[("tandem_dead_letters_total", a)] == 1  # read once, not again at the next scrape
     assert got[("tandem_restarts_total", (("agent", "A"), ("service", "engine http://e0")))] == 2
+    assert got[("tandem_restarts_total", (("agent", "A"), ("service", "trainer-A")))] == 2
+    assert got[("tandem_restarts_total", (("agent", "B"), ("service", "buffer-B")))] == 0
+    assert got[("tandem_restarts_total", (("agent", ""), ("service", "coordinator")))] == 0
     assert got[("tandem_episodes_total", ())] == 0 and got[("tandem_phase", (("phase", "starting"),))] == 1
     await bus.close()
 

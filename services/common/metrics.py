@@ -56,6 +56,12 @@ async def observed(stream: str, group: str, handling: Awaitable[T]) -> T:
         HANDLED_SECONDS.labels(stream=stream, group=group, outcome=outcome).observe(time.perf_counter() - start)
 
 
+async def record_start(redis: Any, key: str, service: str) -> int:
+    """Count one start of ``service`` in the run's hash ``key`` (``Streams.key(SERVICE_STARTS)``);
+    returns its starts so far. The coordinator serves starts - 1 as the service's restarts."""
+    return int(await redis.hincrby(key, service, 1))
+
+
 def exposition(registry: CollectorRegistry = REGISTRY, accept: str | None = None) -> tuple[bytes, str]:
     """The registry in the text format the scraper asked for (Prometheus text or OpenMetrics)."""
     encoder, content_type = choose_encoder(accept or "")
@@ -66,6 +72,7 @@ def exposition(registry: CollectorRegistry = REGISTRY, accept: str | None = None
 TRAIN_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATE_WINDOW_S = 60.0
 RECENT_GROUPS = 16
+SERVICE_STARTS = "service_starts"  # the run's hash of service -> starts (Streams.key(SERVICE_STARTS))
 
 
 def event_values(kind: str, data: Mapping[str, Any]) -> dict[str, float]:
@@ -147,6 +154,7 @@ class RunMetrics(Collector):
         self._tokens_per_s: dict[str, float] = {}
         self._dead: dict[str, int] = {}
         self._dead_cursor = "0-0"
+        self._starts: dict[str, int] = {}
         self.registry.register(self)
 
     def update(self, state: RunView, episodes: Mapping[str, Mapping[str, Any]] | None = None,
@@ -182,6 +190,11 @@ class RunMetrics(Collector):
                 agent = _letter_agent(letter, names)
                 self._dead[agent] = self._dead.get(agent, 0) + 1
 
+    async def read_starts(self, redis: Any, key: str) -> None:
+        """The services' starts, as ``record_start`` counted them."""
+        raw = await redis.hgetall(key)
+        self._starts = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
     def collect(self) -> Iterator[Metric]:
         state = self._state
         if state is None:
@@ -194,12 +207,19 @@ class RunMetrics(Collector):
         for agent, n in sorted(self._dead.items()):
             dead.add_metric([agent], n)
         yield dead
-        restarts = CounterMetricFamily("tandem_restarts", "Restarts of a supervised process (engines)",
-                                       labels=["agent", "service"])
+        yield self._restarts(state)
+
+    def _restarts(self, state: RunView) -> Metric:
+        restarts = CounterMetricFamily("tandem_restarts", "Restarts of a service (starts after its first) or of "
+                                       "an engine its rollout supervises", labels=["agent", "service"])
+        names = list(state.agents)
+        for service, starts in sorted(self._starts.items()):
+            agent = next((a for a in names if service.endswith((f"-{a}", f".{a}"))), "")
+            restarts.add_metric([agent, service], max(starts - 1, 0))
         for name, a in state.agents.items():
             for url, n in sorted(engine_restarts(a.rollout).items()):
                 restarts.add_metric([name, f"engine {url}"], n)
-        yield restarts
+        return restarts
 
     def _agent_series(self, state: RunView) -> Iterator[Metric]:
         gauges = {k: GaugeMetricFamily(f"tandem_{k}", doc, labels=["agent"]) for k, doc in GAUGES.items()}

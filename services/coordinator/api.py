@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from services.common.metrics import RunMetrics
+from services.common.metrics import SERVICE_STARTS, RunMetrics
 from services.contracts.messages import Control
 from services.coordinator.scheduler import Coordinator
 
@@ -110,6 +110,7 @@ def create_app(coord: Coordinator) -> FastAPI:
     async def prometheus(request: Request) -> Response:
         """The run's Prometheus series (services/common/metrics.py), from the run state at this scrape."""
         await run_metrics.read_dead_letters(coord.bus.redis, coord.bus.streams.deadletter, coord.cfg.agents)
+        await run_metrics.read_starts(coord.bus.redis, coord.bus.streams.key(SERVICE_STARTS))
         run_metrics.update(coord.state, coord.episodes, coord.evals)
         payload, content_type = run_metrics.exposition(request.headers.get("accept"))
         return Response(payload, media_type=content_type)
