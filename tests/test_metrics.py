@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from services.common import service
 from services.common.bus import Bus
 from services.common.embedded_redis import free_port
+from services.common.health import probe_server
 from services.common.metrics import SERVICE_STARTS, record_start
 from services.contracts.config import parse_config
 from services.contracts.messages import Event
@@ -32,8 +33,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 @contextlib.asynccontextmanager
 async def serving(app: object) -> AsyncIterator[str]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # the test owns the signals
+    server = probe_server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         assert not task.done(), "the API did not start"
