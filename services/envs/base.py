@@ -7,7 +7,8 @@ per-role rewards. ``make_group`` builds the G copies that share a GRPO
 baseline (same seed, so the same start). ``scripted_reply`` plays a role
 without a model (evaluation opponents, tests, ``scripted:<player>`` roles).
 Per-turn rewards (``StepResult.turn_rewards``) are optional; the coordinator
-adds them to the final rewards.
+adds them to the final rewards. The parameters (``environment.params``) are the
+class's ``Params``, a pydantic model (params.py); ``self.params`` is an instance.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 from services.envs.params import EnvParamError, EnvParams, NoParams, validate
 
 __all__ = ["Environment", "EnvParamError", "EnvParams", "StepResult", "score_for"]
+
 
 @dataclass
 class StepResult:
