@@ -10,27 +10,26 @@ import random
 import re
 from typing import Any, ClassVar
 
-from services.envs.base import Environment, EnvParamError, StepResult
+from pydantic import Field
+
+from services.envs.base import Environment, EnvParams, StepResult
+
+
+class CountUpParams(EnvParams):
+    target: int = Field(3, ge=1, le=9, description="the number that ends the game")
 
 
 class CountUp(Environment):
     roles: ClassVar[tuple[str, ...]] = ("left", "right")
     description: ClassVar[str] = "Say the next number in turn; a wrong number loses."
     scripted_players: ClassVar[tuple[str, ...]] = ("counter",)
+    Params: ClassVar[type[EnvParams]] = CountUpParams
+    params: CountUpParams
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         self.n = 0
         self.turn = 0
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        if set(params) - {"target"}:
-            raise EnvParamError(f"CountUp: unknown parameter(s) {sorted(set(params) - {'target'})}")
-        target = params.get("target", 3)
-        if not isinstance(target, int) or not 1 <= target <= 9:
-            raise EnvParamError(f"CountUp: target must be an integer 1-9, got {target!r}")
-        return {"target": target}
 
     def current_role(self) -> str:
         return self.roles[self.turn % 2]
@@ -45,7 +44,7 @@ class CountUp(Environment):
             other = self.roles[self.turn % 2]
             return StepResult(done=True, rewards={role: -1.0, other: 0.0})
         self.n += 1
-        if self.n >= self.params["target"]:
+        if self.n >= self.params.target:
             return StepResult(done=True, rewards={r: 1.0 for r in self.roles})
         return StepResult(done=False)
 

@@ -96,5 +96,5 @@ def test_bad_environment_parameters_fail_at_start_naming_the_parameter(tmp_path:
         path.write_text(yaml.safe_dump(data))
         proc, _ = tandem_up(path, tmp_path, tiny_model_dir, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert f"environment.params: {name}: {named}" in proc.stderr, proc.stderr
+        assert f"environment.params.{named}: {name}: {named}: " in proc.stderr, proc.stderr
         assert not (tmp_path / "runs").exists()  # nothing started

@@ -9,7 +9,7 @@ import pytest
 
 from services.contracts.config import EnvironmentConfig
 from services.envs.answer_then_answer import AnswerThenAnswer
-from services.envs.base import Environment, EnvParamError, StepResult
+from services.envs.base import Environment, EnvParamError, EnvParams, StepResult
 from services.envs.code_tasks import Code, CodeCritic, extract_program
 from services.envs.debate import Debate
 from services.envs.doctor_patient import CASES, DoctorPatient, judge_answer
@@ -286,7 +286,7 @@ def test_bad_params_name_the_parameter(name: str, params: dict, named: str) -> N
     with pytest.raises(EnvParamError, match=named):
         load_environment(name).check_params(params)
     cfg = EnvironmentConfig(name=name, params=params, roles={r: "A" for r in load_environment(name).roles})
-    with pytest.raises(ValueError, match=f"environment.params: .*{named}"):
+    with pytest.raises(ValueError, match=rf"environment\.params\.{named}: {name}: {named}: "):
         check_environment_config(cfg)
 
 
@@ -295,7 +295,27 @@ def test_every_builtin_is_listed_with_roles_and_plays_scripted() -> None:
     for name in BUILTINS:
         cls = load_environment(name)
         assert name in text and cls.description and cls.roles
+        assert issubclass(cls.Params, EnvParams) and cls.env_name == name
+        for field in cls.Params.model_fields:  # `tandem envs` lists the parameters
+            assert f"   {field}: " in text, (name, field)
     assert "plug-ins" in text
+    assert "max_turns: int = 6 (>= 1, <= 100)" in text and "game: str required" in text
+
+
+def test_params_are_a_validated_read_only_model_shared_by_a_group() -> None:
+    env = GuessNumber({"high": 32, "turn_cost": 0}, 0)
+    assert (env.params.low, env.params.high, env.params.turn_cost) == (1, 32, 0.0)
+    assert isinstance(env.params.turn_cost, float)  # an int where a float is asked for is fine
+    with pytest.raises(ValueError, match="frozen"):
+        env.params.high = 8  # type: ignore[misc]
+    group = GuessNumber.make_group({"high": 32}, 7, 3)
+    assert len({id(e.params) for e in group}) == 1 and len({e.target for e in group}) == 1
+    for bad, named in [({"max_turns": True}, "max_turns"), ({"max_turns": 2.0}, "max_turns"), ([1], "mapping")]:
+        with pytest.raises(EnvParamError, match=named):
+            GuessNumber(bad, 0)  # type: ignore[arg-type]
+    assert MathCritic({"revise": False}, 0).params.revise is False
+    with pytest.raises(EnvParamError, match="revise: unknown parameter"):
+        Math({"revise": False}, 0)  # only the solver-critic form revises
 
 
 def test_eval_opponent_per_role_and_scripted_roles_are_checked() -> None:

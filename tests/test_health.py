@@ -66,6 +66,9 @@ def test_buffer_process_serves_health_from_the_env_port(tmp_path, redis_url):
             s.sendall(b"hello\r\n\r\n")
             assert s.recv(200).startswith(b"HTTP/1.1 400 ")
         assert health_mod.main([url]) == 0  # the HEALTHCHECK command
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics")  # the process's own Prometheus registry
+        assert metrics.status_code == 200 and "process_resident_memory_bytes" in metrics.text
+        assert "# TYPE tandem_bus_handled_seconds histogram" in metrics.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert health_mod.main([url]) == 1  # nothing answers once it has stopped

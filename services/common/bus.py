@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import ResponseError
 
+from services.common.metrics import count_dead_letter, observed
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.messages import DeadLetter
 from services.contracts.streams import Streams
@@ -60,6 +61,7 @@ class Bus:
 
     async def dead_letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> None:
         log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
+        count_dead_letter(stream)
         letter = DeadLetter(source_stream=stream, entry_id=entry_id, service=self.service,
                             reason=reason, payload=payload)
         await self.redis.xadd(self.streams.deadletter, {FIELD: encode(letter)})
@@ -115,7 +117,8 @@ class Bus:
             for entry_id, fields in entries:
                 if entry_id in working:
                     continue
-                job = self._handle(stream, group, entry_id.decode(), fields, model, handler, max_deliveries)
+                job = observed(stream, group, self._handle(stream, group, entry_id.decode(), fields, model, handler,
+                                                           max_deliveries))
                 if concurrency == 1:
                     await job
                     continue

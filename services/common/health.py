@@ -1,28 +1,35 @@
-"""A tiny HTTP health endpoint for the long-running services (no web framework).
+"""The long-running services' health and metrics endpoint, on FastAPI/uvicorn.
 
 ``GET /health`` answers 200 ``{"service": name, "ok": true}`` while the
 service's loops run and 503 ``{"ok": false, "reason": ...}`` once it is
 stopping or a loop has ended. Container HEALTHCHECKs and Kubernetes probes
 call it (``python -m services.common.health`` is the HEALTHCHECK command).
-Served with ``asyncio.start_server``: one request per connection, then close.
+``GET /metrics`` serves the process's own Prometheus registry (bus counters,
+handler latency, process metrics; services/common/metrics.py). Every answer
+closes its connection: probes do not keep connections open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import os
+import socket
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the web stack is imported where it serves, so the HEALTHCHECK probe starts fast
+    import uvicorn
+    from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry
 
 HEALTH_PORT_ENV = "TANDEM_HEALTH_PORT"
-MAX_HEAD = 8192
-READ_TIMEOUT_S = 5.0
-
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+START_TIMEOUT_S = 10.0
+PATHS = ("/health", "/metrics")
 
 
 def health_port_from_env(environ: dict[str, str] | None = None) -> int:
@@ -37,63 +44,102 @@ def health_port_from_env(environ: dict[str, str] | None = None) -> int:
     return port
 
 
+def health_app(service: str, status: Callable[[], tuple[bool, str]], started: float,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """``GET /health`` and ``GET /metrics`` (``registry``: default, the process's); anything else
+    gets a JSON error naming the endpoints."""
+    from fastapi import FastAPI, Header, Request, Response
+    from fastapi.responses import JSONResponse
+    from prometheus_client import REGISTRY
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from services.common.metrics import exposition
+
+    app = FastAPI(title=f"{service} health", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            return JSONResponse({"error": f"{request.method} is not allowed on {request.url.path}; use GET"},
+                                405, headers={"Allow": "GET, HEAD"})
+        return JSONResponse({"error": f"no such path {request.url.path!r}; the endpoints are GET "
+                                      f"{' and GET '.join(PATHS)}"}, exc.status_code)
+
+    @app.middleware("http")
+    async def _close(request: Request, call_next: Callable) -> Response:
+        response = await call_next(request)
+        response.headers["Connection"] = "close"
+        return response
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        ok, reason = status()
+        body: dict = {"service": service, "ok": ok, "uptime_s": round(time.time() - started, 1)}
+        if not ok:
+            body["reason"] = reason
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics(accept: str | None = Header(default=None)) -> Response:
+        payload, content_type = exposition(registry or REGISTRY, accept)
+        return Response(payload, media_type=content_type)
+
+    return app
+
+
+def probe_server(config: uvicorn.Config) -> uvicorn.Server:
+    """A uvicorn server without its signal handlers: the service owns SIGTERM/SIGINT and closes it."""
+    import uvicorn
+
+    class ProbeServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return ProbeServer(config)
+
+
 class HealthServer:
-    """Serves ``GET /health``; ``status()`` returns ``(ok, reason)`` at each request."""
+    """Serves ``GET /health`` and ``GET /metrics``; ``status()`` returns ``(ok, reason)`` at each request."""
 
     def __init__(self, service: str, status: Callable[[], tuple[bool, str]], host: str = "0.0.0.0",
-                 port: int = 0) -> None:
+                 port: int = 0, registry: CollectorRegistry | None = None) -> None:
         self.service, self.status, self.host, self.port = service, status, host, port
+        self.registry = registry
         self.started = time.time()
-        self._server: asyncio.Server | None = None
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_HEAD)
-        self.port = self._server.sockets[0].getsockname()[1]
+        """Bind (an ``OSError`` here names a taken port), then serve; returns the bound port."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(health_app(self.service, self.status, self.started, self.registry),
+                                log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        self._server = probe_server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done() or time.monotonic() > deadline:
+                await self.close()
+                raise OSError(f"the health endpoint on port {self.port} did not start")
+            await asyncio.sleep(0.01)
         return self.port
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    def _answer(self, method: str, path: str) -> tuple[int, dict]:
-        if path.split("?", 1)[0] != "/health":
-            return 404, {"error": f"no such path {path!r}; the health endpoint is GET /health"}
-        if method not in ("GET", "HEAD"):
-            return 405, {"error": f"{method} is not allowed on /health; use GET"}
-        ok, reason = self.status()
-        body = {"service": self.service, "ok": ok, "uptime_s": round(time.time() - self.started, 1)}
-        if not ok:
-            body["reason"] = reason
-        return (200 if ok else 503), body
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        method = "GET"
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
-            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-                code, body = 400, {"error": "malformed request line; expected 'GET /health HTTP/1.1'"}
-            else:
-                method = parts[0]
-                code, body = self._answer(method, parts[1])
-        except asyncio.LimitOverrunError:
-            code, body = 400, {"error": f"request head longer than {MAX_HEAD} bytes"}
-        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-            writer.close()
-            return
-        payload = json.dumps(body).encode()
-        extra = b"Allow: GET, HEAD\r\n" if code == 405 else b""
-        writer.write(f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n".encode() + extra + b"\r\n"
-                     + (b"" if method == "HEAD" else payload))
-        try:
-            await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception, SystemExit):
+                await self._task
+        self._server = self._task = None
 
 
 def probe(url: str, timeout: float = 3.0) -> tuple[int, str]:

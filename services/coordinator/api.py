@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
+from services.common.metrics import SERVICE_STARTS, RunMetrics
 from services.contracts.messages import Control
 from services.coordinator.scheduler import Coordinator
 
@@ -103,15 +104,15 @@ def create_app(coord: Coordinator) -> FastAPI:
         return {n: {"train_steps": coord.state.agents[n].train_steps,
                     "group_rewards": coord.state.agents[n].group_rewards} for n in names}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus() -> str:
-        s = coord.state
-        lines = ["# TYPE tandem_episodes_total counter", f"tandem_episodes_total {s.episodes_done}"]
-        for n, a in s.agents.items():
-            lines.append(f'tandem_weight_version{{agent="{n}"}} {a.loaded_version}')
-            lines.append(f'tandem_train_steps_total{{agent="{n}"}} {len(a.train_steps)}')
-            if a.group_rewards:
-                lines.append(f'tandem_group_reward{{agent="{n}"}} {a.group_rewards[-1][1]}')
-        return "\n".join(lines) + "\n"
+    run_metrics = RunMetrics()
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus(request: Request) -> Response:
+        """The run's Prometheus series (services/common/metrics.py), from the run state at this scrape."""
+        await run_metrics.read_dead_letters(coord.bus.redis, coord.bus.streams.deadletter, coord.cfg.agents)
+        await run_metrics.read_starts(coord.bus.redis, coord.bus.streams.key(SERVICE_STARTS))
+        run_metrics.update(coord.state, coord.episodes, coord.evals)
+        payload, content_type = run_metrics.exposition(request.headers.get("accept"))
+        return Response(payload, media_type=content_type)
 
     return app

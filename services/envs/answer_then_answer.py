@@ -18,8 +18,10 @@ import random
 import re
 from typing import Any, ClassVar
 
-from services.envs.base import Environment, EnvParamError, StepResult
-from services.envs.params import check
+from pydantic import Field, field_validator
+
+from services.envs.base import Environment, StepResult
+from services.envs.params import EnvParams
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 INTEGER = re.compile(r"-?\d+")
@@ -30,26 +32,35 @@ def first_int(reply: str) -> int | None:
     return int(m.group()) if m else None
 
 
+class AnswerThenAnswerParams(EnvParams):
+    max_operand: int = Field(9, ge=1, le=10**6)
+    ops: str = Field("+-*", description="the operators questions draw from")
+    format_penalty: float = Field(0.5, ge=0.0, le=10.0)
+
+    @field_validator("ops")
+    @classmethod
+    def _known_ops(cls, ops: str) -> str:
+        if not ops or set(ops) - set(OPS):
+            raise ValueError(f"must be made of {''.join(OPS)}")
+        return ops
+
+
 class AnswerThenAnswer(Environment):
     roles: ClassVar[tuple[str, ...]] = ("first", "second")
     description: ClassVar[str] = ("Arithmetic: the first role answers, the second sees that answer and answers; "
                                   "each +1 if right, -format_penalty if no integer.")
     scripted_players: ClassVar[tuple[str, ...]] = ("correct", "wrong", "copy")
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    Params: ClassVar[type[EnvParams]] = AnswerThenAnswerParams
+    env_name: ClassVar[str] = "answer_then_answer"
+    params: AnswerThenAnswerParams
+
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
-        a, b = self.rng.randint(0, self.params["max_operand"]), self.rng.randint(0, self.params["max_operand"])
-        op = self.rng.choice(self.params["ops"])
+        a, b = self.rng.randint(0, self.params.max_operand), self.rng.randint(0, self.params.max_operand)
+        op = self.rng.choice(self.params.ops)
         self.question, self.answer = f"{a}{op}{b}=", OPS[op](a, b)
         self.replies: dict[str, int | None] = {}
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        p = check("answer_then_answer", params, {"max_operand": (int, 9, 1, 10**6), "ops": (str, "+-*", None, None),
-                                                 "format_penalty": (float, 0.5, 0.0, 10.0)})
-        if not p["ops"] or set(p["ops"]) - set(OPS):
-            raise EnvParamError(f"answer_then_answer: ops must be made of {''.join(OPS)}, got {p['ops']!r}")
-        return p
 
     def current_role(self) -> str:
         return "first" if "first" not in self.replies else "second"
@@ -61,7 +72,7 @@ class AnswerThenAnswer(Environment):
         return f"{self.question} A:{'(no answer)' if first is None else first} You:"
 
     def _reward(self, value: int | None) -> float:
-        return -self.params["format_penalty"] if value is None else float(value == self.answer)
+        return -self.params.format_penalty if value is None else float(value == self.answer)
 
     async def step(self, role: str, reply: str) -> StepResult:
         if role != self.current_role():

@@ -7,19 +7,21 @@ per-role rewards. ``make_group`` builds the G copies that share a GRPO
 baseline (same seed, so the same start). ``scripted_reply`` plays a role
 without a model (evaluation opponents, tests, ``scripted:<player>`` roles).
 Per-turn rewards (``StepResult.turn_rewards``) are optional; the coordinator
-adds them to the final rewards.
+adds them to the final rewards. The parameters (``environment.params``) are the
+class's ``Params``, a pydantic model (params.py); ``self.params`` is an instance.
 """
 
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from services.envs.params import EnvParamError, EnvParams, NoParams, validate
 
-class EnvParamError(ValueError):
-    """Bad environment parameters; the message names the parameter."""
+__all__ = ["Environment", "EnvParamError", "EnvParams", "StepResult", "score_for"]
 
 
 @dataclass
@@ -36,18 +38,19 @@ class Environment(ABC):
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
     # scripted player -> the roles it can play (a player not listed can play every role)
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # the parameters (``environment.params``), a pydantic model; ``env_name`` starts its error messages
+    Params: ClassVar[type[EnvParams]] = NoParams
+    env_name: ClassVar[str] = ""
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    def __init__(self, params: Mapping[str, Any] | EnvParams, seed: int) -> None:
         self.params = self.check_params(params)
         self.seed = seed
         self.rng = random.Random(seed)
 
     @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        """Validate parameters; raise EnvParamError naming the bad one."""
-        if params:
-            raise EnvParamError(f"{cls.__name__} takes no parameters, got {sorted(params)}")
-        return params
+    def check_params(cls, params: Mapping[str, Any] | EnvParams) -> EnvParams:
+        """``params`` validated as ``Params``; raises EnvParamError naming the bad parameter."""
+        return validate(cls.env_name or cls.__name__, cls.Params, params)
 
     @abstractmethod
     def current_role(self) -> str:
@@ -74,9 +77,10 @@ class Environment(ABC):
         return {}
 
     @classmethod
-    def make_group(cls, params: dict[str, Any], seed: int, size: int) -> list[Environment]:
-        """G copies that share a baseline: same seed, same start."""
-        return [cls(params, seed) for _ in range(size)]
+    def make_group(cls, params: Mapping[str, Any] | EnvParams, seed: int, size: int) -> list[Environment]:
+        """G copies that share a baseline: same seed, same start (parameters validated once)."""
+        checked = cls.check_params(params)
+        return [cls(checked, seed) for _ in range(size)]
 
 
 def score_for(rewards: dict[str, float], role: str) -> float:

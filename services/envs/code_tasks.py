@@ -22,8 +22,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pydantic import Field
+
+from services.envs.params import EnvParams
 from services.envs.sandbox import run_python
-from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, _Verifiable
+from services.envs.verifiable import CriticParams, SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -85,14 +88,24 @@ def make_code_task(rng: random.Random, limits: dict[str, Any]) -> CodeTask:
                     wrong=f"```python\ndef f({arg}):\n    return {wrong}\n```", cases=cases, limits=limits)
 
 
+class CodeParams(VerifiableParams):
+    cpu_s: int = Field(2, ge=1, le=10, description="sandbox CPU seconds")
+    memory_mb: int = Field(256, ge=64, le=2048, description="sandbox memory")
+    wall_s: float = Field(5.0, ge=1.0, le=30.0, description="sandbox wall clock")
+
+
+class CodeCriticParams(CodeParams, CriticParams):
+    pass
+
+
 class _CodeMixin(_Verifiable):
     env_name: ClassVar[str] = "code"
-    param_spec: ClassVar[dict[str, tuple[type, Any, Any, Any]]] = {
-        "cpu_s": (int, 2, 1, 10), "memory_mb": (int, 256, 64, 2048), "wall_s": (float, 5.0, 1.0, 30.0)}
+    Params: ClassVar[type[EnvParams]] = CodeParams
+    params: CodeParams
 
     def make_task(self, rng: random.Random) -> Task:
         p = self.params
-        return make_code_task(rng, {"cpu_s": p["cpu_s"], "memory_mb": p["memory_mb"], "wall_s": p["wall_s"]})
+        return make_code_task(rng, {"cpu_s": p.cpu_s, "memory_mb": p.memory_mb, "wall_s": p.wall_s})
 
     async def grade(self, reply: str) -> float | None:
         return await asyncio.to_thread(self.task.grade, reply)  # a subprocess: keep it off the event loop
@@ -104,5 +117,6 @@ class Code(_CodeMixin, SolveEnv):
 
 class CodeCritic(_CodeMixin, SolveCriticEnv):
     env_name: ClassVar[str] = "code_critic"
+    Params: ClassVar[type[EnvParams]] = CodeCriticParams
     description: ClassVar[str] = ("Code, solver and critic: the critic judges the program, the solver may revise; "
                                   "the final program is graded in the sandbox.")

@@ -27,8 +27,10 @@ import random
 import re
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from services.envs.base import Environment, StepResult
-from services.envs.params import check
+from services.envs.params import EnvParams
 
 MOTIONS: tuple[dict[str, Any], ...] = (
     {"motion": "cities should ban cars", "pro": ("air", "safety", "noise", "space", "transit"),
@@ -46,6 +48,12 @@ def count_evidence(arguments: list[str], words: tuple[str, ...]) -> int:
     return sum(1 for w in words if w in text)
 
 
+class DebateParams(EnvParams):
+    rounds: int = Field(2, ge=1, le=10, description="arguments per side")
+    max_chars: int = Field(200, ge=1, le=10000, description="an argument is cut to this length")
+    format_penalty: float = Field(0.5, ge=0.0, le=10.0)
+
+
 class Debate(Environment):
     roles: ClassVar[tuple[str, ...]] = ("pro", "con", "judge")
     description: ClassVar[str] = ("Debate: pro and con argue a motion for k rounds; a judge (rule-based or an "
@@ -54,19 +62,19 @@ class Debate(Environment):
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
         "rules": ("judge",), "evidence": ("pro", "con"), "silent": ("pro", "con")}
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    Params: ClassVar[type[EnvParams]] = DebateParams
+    env_name: ClassVar[str] = "debate"
+    params: DebateParams
+
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         self.topic = self.rng.choice(MOTIONS)
         self.arguments: dict[str, list[str]] = {"pro": [], "con": []}
-        self.order = ["pro", "con"] * self.params["rounds"] + ["judge"]
+        self.order = ["pro", "con"] * self.params.rounds + ["judge"]
         self.turn = 0
         self.verdict: str | None = None
         self.seen = {"pro": 0, "con": 0}  # transcript lines each side has seen (up to its own last)
 
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        return check("debate", params, {"rounds": (int, 2, 1, 10), "max_chars": (int, 200, 1, 10000),
-                                        "format_penalty": (float, 0.5, 0.0, 10.0)})
 
     def current_role(self) -> str:
         return self.order[self.turn]
@@ -97,16 +105,16 @@ class Debate(Environment):
             raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
         self.turn += 1
         if role != "judge":
-            arg = " ".join(reply.split())[: self.params["max_chars"]]
+            arg = " ".join(reply.split())[: self.params.max_chars]
             self.arguments[role].append(arg)
             self.seen[role] = len(self._transcript())
             if not arg:
-                return StepResult(done=False, turn_rewards={role: -self.params["format_penalty"]},
+                return StepResult(done=False, turn_rewards={role: -self.params.format_penalty},
                                   info={"malformed": "empty argument"})
             return StepResult(done=False)
         m = VERDICT.search(reply)
         self.verdict = m.group(1).lower() if m else "tie"
-        judge = 0.0 if m else -self.params["format_penalty"]
+        judge = 0.0 if m else -self.params.format_penalty
         win = {"pro": 1.0, "con": -1.0} if self.verdict == "pro" else {"pro": -1.0, "con": 1.0} \
             if self.verdict == "con" else {"pro": 0.0, "con": 0.0}
         return StepResult(done=True, rewards={**win, "judge": judge},

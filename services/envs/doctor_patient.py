@@ -37,8 +37,10 @@ import random
 import re
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from services.envs.base import Environment, StepResult
-from services.envs.params import check
+from services.envs.params import EnvParams
 
 TOPICS = ("fever", "cough", "rash", "headache", "vomiting", "duration", "travel", "pain")
 CASES: tuple[dict[str, Any], ...] = (
@@ -75,6 +77,14 @@ def judge_answer(answer: str, fact: str, diagnosis: str) -> tuple[str, bool]:
     return ("contradicts" if any(o in " ".join(words) for o in others) else "incomplete"), leaked
 
 
+class DoctorPatientParams(EnvParams):
+    max_turns: int = Field(8, ge=1, le=50, description="doctor turns")
+    turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="doctor, per turn")
+    answer_reward: float = Field(0.2, ge=0.0, le=10.0, description="patient, per consistent answer")
+    leak_penalty: float = Field(1.0, ge=0.0, le=10.0, description="patient, per answer naming the diagnosis")
+    format_penalty: float = Field(0.2, ge=0.0, le=10.0)
+
+
 class DoctorPatient(Environment):
     roles: ClassVar[tuple[str, ...]] = ("doctor", "patient")
     description: ClassVar[str] = ("Doctor asks, patient answers from a synthetic case; doctor rewarded for a right "
@@ -84,7 +94,11 @@ class DoctorPatient(Environment):
         "systematic": ("doctor",), "random": ("doctor",), "faithful": ("patient",), "leaky": ("patient",),
         "liar": ("patient",)}
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    Params: ClassVar[type[EnvParams]] = DoctorPatientParams
+    env_name: ClassVar[str] = "doctor_patient"
+    params: DoctorPatientParams
+
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         self.case = self.rng.choice(CASES)
         self.to_act = "doctor"
@@ -99,13 +113,6 @@ class DoctorPatient(Environment):
         self.leaks = 0
         self.briefed = False  # the patient sees the case's facts with the first question
 
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        return check("doctor_patient", params, {
-            "max_turns": (int, 8, 1, 50), "turn_cost": (float, 0.05, 0.0, 1.0),
-            "answer_reward": (float, 0.2, 0.0, 10.0), "leak_penalty": (float, 1.0, 0.0, 10.0),
-            "format_penalty": (float, 0.2, 0.0, 10.0)})
-
     def current_role(self) -> str:
         return self.to_act
 
@@ -113,7 +120,7 @@ class DoctorPatient(Environment):
         return self.doctor_note if role == "doctor" else self.patient_note
 
     def _doctor_turn_over(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
-        if self.doctor_turns >= self.params["max_turns"] and self.to_act == "doctor":
+        if self.doctor_turns >= self.params.max_turns and self.to_act == "doctor":
             return StepResult(done=True, rewards={"doctor": 0.0, "patient": 0.0}, turn_rewards=turn, info=info)
         return StepResult(done=False, turn_rewards=turn, info=info)
 
@@ -133,8 +140,8 @@ class DoctorPatient(Environment):
                 self.doctor_note = f"{self.topic}: {said}"
             self.verdicts.append(verdict)
             self.leaks += leaked
-            r = {"consistent": p["answer_reward"], "contradicts": -p["answer_reward"], "incomplete": 0.0,
-                 "unchecked": 0.0, "empty": -p["format_penalty"]}[verdict] - (p["leak_penalty"] if leaked else 0.0)
+            r = {"consistent": p.answer_reward, "contradicts": -p.answer_reward, "incomplete": 0.0,
+                 "unchecked": 0.0, "empty": -p.format_penalty}[verdict] - (p.leak_penalty if leaked else 0.0)
             self.to_act = "doctor"
             return self._doctor_turn_over({"patient": r}, {"verdict": verdict, "leaked": leaked})
         self.doctor_turns += 1
@@ -148,9 +155,9 @@ class DoctorPatient(Environment):
         well_formed = verb == "ask" and word in TOPICS
         self.topic = word if well_formed else None
         question = f"{word}?" if well_formed else " ".join(reply.split())[:80] or "..."
-        cost = {"doctor": -p["turn_cost"] - (0.0 if well_formed else p["format_penalty"])}
+        cost = {"doctor": -p.turn_cost - (0.0 if well_formed else p.format_penalty)}
         info: dict[str, Any] = {"ask": word} if well_formed else {"malformed": reply[:40]}
-        if not well_formed and self.doctor_turns >= p["max_turns"]:
+        if not well_formed and self.doctor_turns >= p.max_turns:
             return StepResult(done=True, rewards={"doctor": 0.0, "patient": 0.0}, turn_rewards=cost, info=info)
         self.to_act = "patient"  # a malformed reply still reaches the patient, as a free-form question
         self.patient_note = (self.patient_note + "\n" if not self.briefed else "") + f"Doctor: {question}"

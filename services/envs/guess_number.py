@@ -20,10 +20,28 @@ import random
 import re
 from typing import Any, ClassVar
 
-from services.envs.base import Environment, EnvParamError, StepResult
-from services.envs.params import check
+from pydantic import Field, ValidationInfo, field_validator
+
+from services.envs.base import Environment, StepResult
+from services.envs.params import EnvParams
 
 NUMBER = re.compile(r"^\s*(-?\d+)\s*\.?\s*$")
+
+
+class GuessNumberParams(EnvParams):
+    low: int = Field(1, description="smallest number")
+    high: int = Field(16, description="largest number (greater than low)")
+    max_turns: int = Field(6, ge=1, le=100)
+    turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="per guess")
+    format_penalty: float = Field(0.2, ge=0.0, le=10.0, description="per reply that is not an integer in range")
+
+    @field_validator("high")
+    @classmethod
+    def _above_low(cls, high: int, info: ValidationInfo) -> int:
+        low = info.data.get("low")
+        if low is not None and high <= low:
+            raise ValueError(f"must be greater than low ({low})")
+        return high
 
 
 class GuessNumber(Environment):
@@ -31,26 +49,19 @@ class GuessNumber(Environment):
     description: ClassVar[str] = ("Guess a hidden integer; the answerer says too high/too low. +1 found, "
                                   "-turn_cost per guess, -format_penalty per non-integer reply.")
     scripted_players: ClassVar[tuple[str, ...]] = ("bisect", "random")
+    Params: ClassVar[type[EnvParams]] = GuessNumberParams
+    env_name: ClassVar[str] = "guess_number"
+    params: GuessNumberParams
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
-        p = self.params
-        self.low, self.high = p["low"], p["high"]
+        self.low, self.high = self.params.low, self.params.high
         self.target = self.rng.randint(self.low, self.high)
         self.lo, self.hi = self.low, self.high  # what the answers so far allow
         self.turns = 0
         self.feedback = f"Guess my number, {self.low}-{self.high}."
         self.found = False
         self.malformed = 0
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        p = check("guess_number", params, {
-            "low": (int, 1, None, None), "high": (int, 16, None, None), "max_turns": (int, 6, 1, 100),
-            "turn_cost": (float, 0.05, 0.0, 1.0), "format_penalty": (float, 0.2, 0.0, 10.0)})
-        if p["high"] <= p["low"]:
-            raise EnvParamError(f"guess_number: high must be greater than low, got low={p['low']} high={p['high']}")
-        return p
 
     def current_role(self) -> str:
         return "guesser"
@@ -61,10 +72,10 @@ class GuessNumber(Environment):
     async def step(self, role: str, reply: str) -> StepResult:
         self.turns += 1
         m = NUMBER.match(reply)
-        turn = {"guesser": -self.params["turn_cost"]}
+        turn = {"guesser": -self.params.turn_cost}
         if m is None or not self.low <= int(m.group(1)) <= self.high:
             self.malformed += 1
-            turn["guesser"] -= self.params["format_penalty"]
+            turn["guesser"] -= self.params.format_penalty
             self.feedback = f"Reply with one integer, {self.low}-{self.high}."
             info: dict[str, Any] = {"malformed": reply[:40]}
         else:
@@ -79,7 +90,7 @@ class GuessNumber(Environment):
             else:
                 self.hi = min(self.hi, guess - 1)
                 self.feedback = f"{guess} is too high."
-        if self.turns >= self.params["max_turns"]:
+        if self.turns >= self.params.max_turns:
             return StepResult(done=True, rewards={"guesser": 0.0}, turn_rewards=turn, info=info)
         return StepResult(done=False, turn_rewards=turn, info=info)
 

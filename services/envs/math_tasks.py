@@ -16,10 +16,12 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from services.envs.base import EnvParamError
-from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, _Verifiable
+from pydantic import Field, field_validator
+
+from services.envs.params import EnvParams
+from services.envs.verifiable import CriticParams, SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 KINDS = ("arith", "linear")
 INTEGER = re.compile(r"-?\d+")
@@ -47,21 +49,29 @@ def make_math_task(rng: random.Random, kinds: list[str], n: int) -> MathTask:
     return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
 
 
+class MathParams(VerifiableParams):
+    kinds: str = Field("arith,linear", description=f"a comma list of {', '.join(KINDS)}")
+    max_operand: int = Field(9, ge=1, le=1000)
+
+    @field_validator("kinds")
+    @classmethod
+    def _known_kinds(cls, kinds: str) -> str:
+        if any(k.strip() not in KINDS for k in kinds.split(",")):
+            raise ValueError(f"must be a comma list of {list(KINDS)}")
+        return kinds
+
+
+class MathCriticParams(MathParams, CriticParams):
+    pass
+
+
 class _MathMixin(_Verifiable):
     env_name: ClassVar[str] = "math"
-    param_spec: ClassVar[dict[str, tuple[type, Any, Any, Any]]] = {
-        "kinds": (str, "arith,linear", None, None), "max_operand": (int, 9, 1, 1000)}
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        p = super().check_params(params)
-        kinds = [k.strip() for k in p["kinds"].split(",")]
-        if not kinds or any(k not in KINDS for k in kinds):
-            raise EnvParamError(f"{cls.env_name}: kinds must be a comma list of {list(KINDS)}, got {p['kinds']!r}")
-        return p
+    Params: ClassVar[type[EnvParams]] = MathParams
+    params: MathParams
 
     def make_task(self, rng: random.Random) -> Task:
-        return make_math_task(rng, [k.strip() for k in self.params["kinds"].split(",")], self.params["max_operand"])
+        return make_math_task(rng, [k.strip() for k in self.params.kinds.split(",")], self.params.max_operand)
 
 
 class Math(_MathMixin, SolveEnv):
@@ -70,5 +80,6 @@ class Math(_MathMixin, SolveEnv):
 
 class MathCritic(_MathMixin, SolveCriticEnv):
     env_name: ClassVar[str] = "math_critic"
+    Params: ClassVar[type[EnvParams]] = MathCriticParams
     description: ClassVar[str] = ("Math, solver and critic: the critic judges the answer (+1 if its verdict is "
                                   "right), the solver may revise; the final answer is graded.")

@@ -6,6 +6,7 @@ import importlib
 
 from services.contracts.config import EnvironmentConfig
 from services.envs.base import Environment, EnvParamError
+from services.envs.params import describe as describe_params
 
 BUILTINS: dict[str, str] = {
     "tictactoe": "services.envs.tictactoe:TicTacToe",
@@ -67,8 +68,8 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
         raise ValueError(f"environment.name: {exc}") from None
     try:
         env_cls.check_params(env_cfg.params)
-    except EnvParamError as exc:
-        raise ValueError(f"environment.params: {exc}") from None
+    except EnvParamError as exc:  # names the parameter: environment.params.high: guess_number: high ...
+        raise ValueError(f"environment.params{'.' + exc.field if exc.field else ''}: {exc}") from None
     missing = [r for r in env_cls.roles if r not in env_cfg.roles]
     extra = [r for r in env_cfg.roles if r not in env_cls.roles]
     if missing or extra:
@@ -100,11 +101,12 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
 
 
 def describe_environments() -> str:
-    """One line per built-in: name, roles, scripted players and description."""
+    """Per built-in: name, roles, scripted players, description and one line per parameter."""
     lines = []
     for name in BUILTINS:
         cls = load_environment(name)
         lines.append(f"{name:<20} roles: {', '.join(cls.roles):<24} scripted: {', '.join(cls.scripted_players)}")
         lines.append(f"{'':<20} {cls.description}")
+        lines.extend(f"{'':<20}   {line}" for line in describe_params(cls.Params))
     lines.append("plug-ins: any package.module:Class subclass of services.envs.base.Environment")
     return "\n".join(lines)

@@ -28,7 +28,10 @@ import random
 import re
 from typing import Any, ClassVar
 
+from pydantic import Field, ValidationInfo, field_validator
+
 from services.envs.base import Environment, EnvParamError, StepResult
+from services.envs.params import EnvParams
 
 OPTION = re.compile(r"'(\[[^\]\n]{1,40}\])'")
 
@@ -41,43 +44,53 @@ def _textarena() -> Any:
     return textarena
 
 
+class TextArenaParams(EnvParams):
+    game: str = Field(description="a TextArena id such as 'TicTacToe-v0'")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the game's constructor arguments")
+
+    @field_validator("game")
+    @classmethod
+    def _registered(cls, game: str) -> str:
+        from textarena.envs.registration import ENV_REGISTRY
+
+        _textarena()
+        if f"{game}-raw" not in ENV_REGISTRY:
+            raise ValueError("not a registered TextArena id")
+        return game
+
+    @field_validator("kwargs")
+    @classmethod
+    def _starts(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        game = info.data.get("game")
+        if game is None:  # the game itself is at fault (named above)
+            return kwargs
+        try:
+            env = _textarena().make(f"{game}-raw", **kwargs)
+            env.reset(num_players=2, seed=0)
+        except Exception as exc:
+            raise ValueError(f"game {game!r} cannot start with two players with them: {exc}") from None
+        return kwargs
+
+
 class TextArena(Environment):
     roles: ClassVar[tuple[str, ...]] = ("P0", "P1")
     description: ClassVar[str] = ("Any two-player TextArena game by id (params.game); the game's own rules, "
                                   "invalid-move handling and +1/-1/0 rewards.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
+    Params: ClassVar[type[EnvParams]] = TextArenaParams
+    env_name: ClassVar[str] = "textarena"
+    params: TextArenaParams
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         ta = _textarena()
-        self.game = ta.make(f"{self.params['game']}-raw", **self.params["kwargs"])
+        self.game = ta.make(f"{self.params.game}-raw", **self.params.kwargs)
         self.game.reset(num_players=2, seed=seed)
         self.player, self.pending = self._fetch()
         self.seen: dict[int, list[str]] = {0: [], 1: []}  # every message each player received (scripted player)
         self.done = False
         self.rewards: dict[str, float] = {}
         self.info: dict[str, Any] = {}
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(params) - {"game", "kwargs"})
-        if unknown:
-            raise EnvParamError(f"textarena: unknown parameter(s) {unknown}; known: ['game', 'kwargs']")
-        game, kwargs = params.get("game"), params.get("kwargs", {})
-        if not isinstance(game, str):
-            raise EnvParamError(f"textarena: game must be a TextArena id such as 'TicTacToe-v0', got {game!r}")
-        if not isinstance(kwargs, dict):
-            raise EnvParamError(f"textarena: kwargs must be a mapping, got {kwargs!r}")
-        from textarena.envs.registration import ENV_REGISTRY
-
-        if f"{game}-raw" not in ENV_REGISTRY:
-            raise EnvParamError(f"textarena: game {game!r} is not a registered TextArena id")
-        try:
-            env = _textarena().make(f"{game}-raw", **kwargs)
-            env.reset(num_players=2, seed=0)
-        except Exception as exc:
-            raise EnvParamError(f"textarena: game {game!r} cannot start with two players: {exc}") from None
-        return {"game": game, "kwargs": dict(kwargs)}
 
     def _fetch(self) -> tuple[int, str]:
         pid, messages = self.game.get_observation()
@@ -119,4 +132,4 @@ class TextArena(Environment):
         return re.sub(r"\d", lambda _: str(rng.randint(0, 6)), rng.choice(examples))
 
     def summary(self) -> dict[str, Any]:
-        return {"game": self.params["game"], "rewards": self.rewards, "info": self.info}
+        return {"game": self.params.game, "rewards": self.rewards, "info": self.info}

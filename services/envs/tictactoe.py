@@ -41,7 +41,10 @@ import random
 from functools import cache
 from typing import Any, ClassVar
 
-from services.envs.base import Environment, EnvParamError, StepResult
+from pydantic import Field
+
+from services.envs.base import Environment, StepResult
+from services.envs.params import EnvParams
 
 LINES: tuple[tuple[int, int, int], ...] = (
     (0, 1, 2), (3, 4, 5), (6, 7, 8),
@@ -98,13 +101,20 @@ def best_moves(board: str, to_move: str) -> list[int]:
     return [cell for v, cell in scored if sign * v == best]
 
 
+class TicTacToeParams(EnvParams):
+    opening_moves: int = Field(0, ge=0, le=MAX_OPENING_MOVES, description="random legal moves the episode starts with")
+
+
 class TicTacToe(Environment):
     roles: ClassVar[tuple[str, ...]] = ("X", "O")
     description: ClassVar[str] = ("Tic-tac-toe: reply with one digit 1-9 (empty cell, row-major). "
                                   "Win +1, loss -1, draw 0; an illegal reply scores -1 and ends the game.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random", "minimax")
+    Params: ClassVar[type[EnvParams]] = TicTacToeParams
+    env_name: ClassVar[str] = "tictactoe"
+    params: TicTacToeParams
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         self.board = "." * 9
         self.moves: list[int] = []
@@ -113,21 +123,9 @@ class TicTacToe(Environment):
         self.winner: str | None = None
         self.illegal = False
         self.illegal_reply: str | None = None
-        self.opening_moves = int(self.params.get("opening_moves", 0))
+        self.opening_moves = self.params.opening_moves
         for _ in range(self.opening_moves):
             self._play(self.rng.choice(legal_cells(self.board)))
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(params) - {"opening_moves"})
-        if unknown:
-            raise EnvParamError(f"TicTacToe: unknown parameter(s) {unknown}; the only one is opening_moves")
-        if "opening_moves" in params:
-            n = params["opening_moves"]
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_OPENING_MOVES:
-                raise EnvParamError(f"TicTacToe: opening_moves must be an integer from 0 to "
-                                    f"{MAX_OPENING_MOVES}, got {n!r}")
-        return dict(params)
 
     def _play(self, cell: int) -> None:
         self.board = self.board[:cell - 1] + MARKS[self.to_move] + self.board[cell:]

@@ -31,8 +31,10 @@ import random
 import re
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from services.envs.base import Environment, StepResult
-from services.envs.params import check
+from services.envs.params import EnvParams
 
 ATTRIBUTES = ("alive", "animal", "edible", "metal", "big", "wild", "flies", "swims", "red", "electric")
 _ROWS = {  # object: attributes that are true; every other attribute is false
@@ -58,6 +60,13 @@ def yes_no(reply: str) -> bool | None:
     return {"yes": True, "no": False}.get(words[0]) if words else None
 
 
+class TwentyQuestionsParams(EnvParams):
+    max_questions: int = Field(20, ge=1, le=100)
+    question_cost: float = Field(0.02, ge=0.0, le=1.0, description="asker, per question")
+    truth_reward: float = Field(0.1, ge=0.0, le=10.0, description="answerer, + per true answer, - per lie")
+    format_penalty: float = Field(0.2, ge=0.0, le=10.0)
+
+
 class TwentyQuestions(Environment):
     roles: ClassVar[tuple[str, ...]] = ("asker", "answerer")
     description: ClassVar[str] = ("Twenty questions: the asker names a hidden object by yes/no questions; the "
@@ -66,7 +75,11 @@ class TwentyQuestions(Environment):
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
         "halving": ("asker",), "truthful": ("answerer",), "liar": ("answerer",)}
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    Params: ClassVar[type[EnvParams]] = TwentyQuestionsParams
+    env_name: ClassVar[str] = "twenty_questions"
+    params: TwentyQuestionsParams
+
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         self.secret = self.rng.choice(sorted(TABLE))
         self.to_act = "asker"
@@ -79,12 +92,6 @@ class TwentyQuestions(Environment):
         self.found = False
         self.truthful = self.lies = self.malformed = 0
 
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        return check("twenty_questions", params, {
-            "max_questions": (int, 20, 1, 100), "question_cost": (float, 0.02, 0.0, 1.0),
-            "truth_reward": (float, 0.1, 0.0, 10.0), "format_penalty": (float, 0.2, 0.0, 10.0)})
-
     def current_role(self) -> str:
         return self.to_act
 
@@ -94,7 +101,7 @@ class TwentyQuestions(Environment):
 
     def _asked(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
         self.questions += 1
-        if self.questions >= self.params["max_questions"]:
+        if self.questions >= self.params.max_questions:
             return StepResult(done=True, rewards={"asker": 0.0, "answerer": 0.0}, turn_rewards=turn, info=info)
         return StepResult(done=False, turn_rewards=turn, info=info)
 
@@ -109,17 +116,17 @@ class TwentyQuestions(Environment):
             if said is None:
                 self.malformed += 1
                 self.asker_note = f"{self.pending}? no answer."
-                return self._asked({"answerer": -p["format_penalty"]}, {"malformed": reply[:40]})
+                return self._asked({"answerer": -p.format_penalty}, {"malformed": reply[:40]})
             ok = said == truth
             self.truthful += ok
             self.lies += not ok
             self.candidates = [o for o in self.candidates if TABLE[o][self.pending] == said]
             self.asker_note = f"{self.pending}? {'yes' if said else 'no'}."
             self.answerer_note = ""
-            return self._asked({"answerer": p["truth_reward"] if ok else -p["truth_reward"]}, {"truthful": ok})
+            return self._asked({"answerer": p.truth_reward if ok else -p.truth_reward}, {"truthful": ok})
         m = QUESTION.match(reply)
         word = m.group(1).lower() if m else ""
-        cost = {"asker": -p["question_cost"]}
+        cost = {"asker": -p.question_cost}
         if word in TABLE:
             if word == self.secret:
                 self.found = True
@@ -135,7 +142,7 @@ class TwentyQuestions(Environment):
             return StepResult(done=False, turn_rewards=cost, info={"question": word})
         self.malformed += 1
         self.asker_note = "Ask 'is it X?'."
-        return self._asked({"asker": cost["asker"] - p["format_penalty"]}, {"malformed": reply[:40]})
+        return self._asked({"asker": cost["asker"] - p.format_penalty}, {"malformed": reply[:40]})
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if role == "answerer":

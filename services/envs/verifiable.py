@@ -27,8 +27,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from services.envs.base import Environment, StepResult
-from services.envs.params import check
+from services.envs.params import EnvParams
 
 VERDICT = re.compile(r"\b(correct|wrong)\b", re.IGNORECASE)
 
@@ -44,13 +46,21 @@ class Task(ABC):
         """The reply's score in [0, 1]; None when it cannot be parsed."""
 
 
+class VerifiableParams(EnvParams):
+    format_penalty: float = Field(0.5, ge=0.0, le=10.0, description="per unparseable reply")
+
+
+class CriticParams(EnvParams):
+    revise: bool = Field(True, description="the solver answers again after the critic's verdict")
+
+
 class _Verifiable(Environment):
     scripted_players: ClassVar[tuple[str, ...]] = ("oracle", "wrong", "yes")
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {"wrong": ("solver",), "yes": ("critic",)}
-    param_spec: ClassVar[dict[str, tuple[type, Any, Any, Any]]] = {}
+    Params: ClassVar[type[EnvParams]] = VerifiableParams
     env_name: ClassVar[str] = "verifiable"
 
-    def __init__(self, params: dict[str, Any], seed: int) -> None:
+    def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
         self.task = self.make_task(self.rng)
         self.replies: list[tuple[str, str]] = []
@@ -61,17 +71,11 @@ class _Verifiable(Environment):
     def make_task(self, rng: random.Random) -> Task:
         """The episode's task, drawn from ``rng`` (the group's seed)."""
 
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        return check(cls.env_name, params, {**cls.param_spec, "format_penalty": (float, 0.5, 0.0, 10.0),
-                                            **({"revise": (bool, True, None, None)} if "critic" in cls.roles
-                                               else {})})
-
     async def grade(self, reply: str) -> float | None:
         return self.task.grade(reply)
 
     def _solver_reward(self, score: float | None) -> float:
-        return -self.params["format_penalty"] if score is None else score
+        return -self.params.format_penalty if score is None else score
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if role == "critic":
@@ -132,10 +136,10 @@ class SolveCriticEnv(_Verifiable):
                               info={"score": score})
         m = VERDICT.search(reply)
         if m is None:
-            self.critic = -self.params["format_penalty"]
+            self.critic = -self.params.format_penalty
         else:
             self.critic = 1.0 if (m.group(1).lower() == "correct") == (self.scores[0] == 1.0) else -1.0
-        if not self.params["revise"]:
+        if not self.params.revise:
             return StepResult(done=True, rewards={"solver": self._solver_reward(self.scores[0]),
                                                   "critic": self.critic}, info={"verdict": m and m.group(1)})
         return StepResult(done=False, info={"verdict": m and m.group(1)})

@@ -1,0 +1,315 @@
+"""Prometheus series for Tandem, declared and exposed with ``prometheus_client``.
+
+Two kinds of registry:
+
+* **per process** (the default registry, served on every service's health port,
+  ``GET /metrics``): the bus's dead letters and handler counts and latency per
+  stream, plus prometheus_client's process, platform and GC collectors;
+* **per run** (``RunMetrics``, served by the coordinator's control API at
+  ``GET /metrics``): the series an operator needs per agent, derived at each
+  scrape from the coordinator's run state (which folds in every event it
+  receives), its episode records, its evaluations and the dead-letter stream.
+
+Values read off an event's ``data`` are read in one place, ``event_values``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from services.contracts.codec import FIELD, decode
+from services.contracts.messages import DeadLetter
+
+T = TypeVar("T")
+
+# --- per process -------------------------------------------------------------------------------
+DEAD_LETTERS = Counter("tandem_bus_dead_letters", "Entries this process sent to the dead-letter stream",
+                       ["stream"])
+HANDLED_SECONDS = Histogram("tandem_bus_handled_seconds", "Entries this process handled (count) and the time each "
+                            "took, from decoding to the ack; outcome 'error' when handling itself raised",
+                            ["stream", "group", "outcome"],
+                            buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 15, 60, 300, math.inf))
+
+
+def count_dead_letter(stream: str) -> None:
+    DEAD_LETTERS.labels(stream=stream).inc()
+
+
+async def observed(stream: str, group: str, handling: Awaitable[T]) -> T:
+    """Await one entry's handling, counting it and timing it per stream and group."""
+    start, outcome = time.perf_counter(), "error"
+    try:
+        result = await handling
+        outcome = "ok"
+        return result
+    finally:
+        HANDLED_SECONDS.labels(stream=stream, group=group, outcome=outcome).observe(time.perf_counter() - start)
+
+
+async def record_start(redis: Any, key: str, service: str) -> int:
+    """Count one start of ``service`` in the run's hash ``key`` (``Streams.key(SERVICE_STARTS)``);
+    returns its starts so far. The coordinator serves starts - 1 as the service's restarts."""
+    return int(await redis.hincrby(key, service, 1))
+
+
+def exposition(registry: CollectorRegistry = REGISTRY, accept: str | None = None) -> tuple[bytes, str]:
+    """The registry in the text format the scraper asked for (Prometheus text or OpenMetrics)."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
+
+
+# --- per run (the coordinator) -----------------------------------------------------------------
+TRAIN_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RATE_WINDOW_S = 60.0
+RECENT_GROUPS = 16
+SERVICE_STARTS = "service_starts"  # the run's hash of service -> starts (Streams.key(SERVICE_STARTS))
+
+
+def event_values(kind: str, data: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers the series take from one event's data (``train_step`` and ``rollout_load``).
+
+    The run state keeps these events' data (``AgentState.train_steps``, ``AgentState.rollout``)."""
+    keys = {"train_step": ("train_seconds", "tokens_per_s", "reward_mean", "stale_frac", "version"),
+            "rollout_load": ("queue_depth", "inflight", "capacity", "waiting")}.get(kind, ())
+    out = {}
+    for k in keys:
+        v = data.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+def engine_restarts(rollout: Mapping[str, Any]) -> dict[str, int]:
+    """engine URL -> restarts, from a ``rollout_load`` event's data (the fleet's snapshot)."""
+    return {str(e.get("url")): int(e.get("restarts") or 0) for e in rollout.get("engines", []) if e.get("url")}
+
+
+class AgentView(Protocol):
+    """What the series read from the coordinator's per-agent run state (coordinator/state.py)."""
+
+    name: str
+    groups_per_batch: int
+    max_staleness: int
+    loaded_version: int
+    kept_groups: int
+    dropped_groups: int
+    in_flight_groups: int
+    train_steps: list[dict[str, Any]]
+    group_rewards: list[tuple[float, float]]
+    rollout: dict[str, Any]
+
+    def blocked_by_staleness(self) -> bool: ...
+
+
+class RunView(Protocol):
+    phase: str
+    paused: bool
+    episodes_done: int
+    agents: Mapping[str, AgentView]
+
+    def episodes_per_s(self, window: float = 30.0) -> float: ...
+
+
+@dataclass
+class _Rate:
+    """A counter's per-second rate over the last ``RATE_WINDOW_S``, from the values seen at scrapes."""
+
+    points: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))
+
+    def add(self, now: float, total: float) -> float:
+        self.points.append((now, total))
+        while len(self.points) > 2 and now - self.points[1][0] >= RATE_WINDOW_S:
+            self.points.popleft()
+        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def staleness(a: AgentView) -> int:
+    """How many versions ahead of the loaded weights the newest launched group will train
+    (0 .. max_staleness: the launch gate keeps it there)."""
+    claimed = a.kept_groups + a.in_flight_groups
+    return max(0, (claimed - 1) // max(a.groups_per_batch, 1) - a.loaded_version) if claimed else 0
+
+
+class RunMetrics(Collector):
+    """The coordinator's series in a registry of their own; ``update`` before each exposition."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._state: RunView | None = None
+        self._evals: list[dict[str, Any]] = []
+        self._tokens: dict[str, int] = {}
+        self._counted: set[str] = set()  # episode ids whose tokens are counted
+        self._token_rates: dict[str, _Rate] = {}
+        self._tokens_per_s: dict[str, float] = {}
+        self._dead: dict[str, int] = {}
+        self._dead_cursor = "0-0"
+        self._starts: dict[str, int] = {}
+        self.registry.register(self)
+
+    def update(self, state: RunView, episodes: Mapping[str, Mapping[str, Any]] | None = None,
+               evals: list[dict[str, Any]] | None = None, now: float | None = None) -> None:
+        """Take the run state, the episode records (for generated tokens) and the evaluations."""
+        self._state, self._evals = state, list(evals or [])
+        episodes = episodes or {}
+        for episode_id, rec in episodes.items():
+            if episode_id in self._counted:
+                continue
+            for turn in rec.get("turns", []):
+                if turn.get("agent") in state.agents and isinstance(turn.get("tokens"), int):
+                    self._tokens[turn["agent"]] = self._tokens.get(turn["agent"], 0) + turn["tokens"]
+        self._counted = set(episodes)  # the records are a bounded cache: forget ids it dropped
+        now = time.time() if now is None else now
+        for name in state.agents:
+            rate = self._token_rates.setdefault(name, _Rate())
+            self._tokens_per_s[name] = rate.add(now, self._tokens.get(name, 0))
+
+    async def read_dead_letters(self, redis: Any, stream: str, agents: Iterable[str]) -> None:
+        """Count the dead letters added since the last call, per agent (from the stream or service name)."""
+        names = list(agents)
+        while True:
+            entries = await redis.xrange(stream, min=f"({self._dead_cursor}", count=500)
+            if not entries:
+                return
+            for entry_id, fields in entries:
+                self._dead_cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    letter = decode(fields[FIELD], DeadLetter)
+                except (KeyError, ValueError):
+                    letter = None
+                agent = _letter_agent(letter, names)
+                self._dead[agent] = self._dead.get(agent, 0) + 1
+
+    async def read_starts(self, redis: Any, key: str) -> None:
+        """The services' starts, as ``record_start`` counted them."""
+        raw = await redis.hgetall(key)
+        self._starts = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state
+        if state is None:
+            return
+        yield from _run_series(state)
+        yield from self._agent_series(state)
+        yield from self._eval_series()
+        dead = CounterMetricFamily("tandem_dead_letters", "Dead letters in the run, per agent ('' = none)",
+                                   labels=["agent"])
+        for agent, n in sorted(self._dead.items()):
+            dead.add_metric([agent], n)
+        yield dead
+        yield self._restarts(state)
+
+    def _restarts(self, state: RunView) -> Metric:
+        restarts = CounterMetricFamily("tandem_restarts", "Restarts of a service (starts after its first) or of "
+                                       "an engine its rollout supervises", labels=["agent", "service"])
+        names = list(state.agents)
+        for service, starts in sorted(self._starts.items()):
+            agent = next((a for a in names if service.endswith((f"-{a}", f".{a}"))), "")
+            restarts.add_metric([agent, service], max(starts - 1, 0))
+        for name, a in state.agents.items():
+            for url, n in sorted(engine_restarts(a.rollout).items()):
+                restarts.add_metric([name, f"engine {url}"], n)
+        return restarts
+
+    def _agent_series(self, state: RunView) -> Iterator[Metric]:
+        gauges = {k: GaugeMetricFamily(f"tandem_{k}", doc, labels=["agent"]) for k, doc in GAUGES.items()}
+        counters = {k: CounterMetricFamily(f"tandem_{k}", doc, labels=["agent"]) for k, doc in COUNTERS.items()}
+        groups = CounterMetricFamily("tandem_groups", "Groups the buffer resolved, by outcome",
+                                     labels=["agent", "outcome"])
+        seconds = HistogramMetricFamily("tandem_train_step_seconds", "Time of one train step",
+                                        labels=["agent"])
+        for name, a in state.agents.items():
+            last = event_values("train_step", a.train_steps[-1]) if a.train_steps else {}
+            load = event_values("rollout_load", a.rollout)
+            recent = [r for _, r in a.group_rewards[-RECENT_GROUPS:]]
+            values = {"weight_version": a.loaded_version, "queue_depth": load.get("queue_depth"),
+                      "inflight_turns": load.get("inflight"), "inflight_capacity": load.get("capacity"),
+                      "inflight_groups": a.in_flight_groups, "staleness": staleness(a),
+                      "max_staleness": a.max_staleness, "gate_blocked": float(a.blocked_by_staleness()),
+                      "group_reward": sum(recent) / len(recent) if recent else None,
+                      "train_reward": last.get("reward_mean"), "train_stale_fraction": last.get("stale_frac"),
+                      "train_tokens_per_second": last.get("tokens_per_s"),
+                      "generation_tokens_per_second": self._tokens_per_s.get(name, 0.0)}
+            for k, v in values.items():
+                if v is not None:
+                    gauges[k].add_metric([name], float(v))
+            counters["train_steps"].add_metric([name], len(a.train_steps))
+            counters["generated_tokens"].add_metric([name], self._tokens.get(name, 0))
+            groups.add_metric([name, "kept"], a.kept_groups)
+            groups.add_metric([name, "dropped"], a.dropped_groups)
+            times = [event_values("train_step", s).get("train_seconds") for s in a.train_steps]
+            seconds.add_metric([name], *_buckets([t for t in times if t is not None]))
+        yield from gauges.values()
+        yield from counters.values()
+        yield groups
+        yield seconds
+
+    def _eval_series(self) -> Iterator[Metric]:
+        score = GaugeMetricFamily("tandem_eval_score", "The latest held-out eval score (0-1) per label "
+                                  "(start, end, on-demand)", labels=["agent", "label"])
+        latest: dict[tuple[str, str], float] = {}
+        for ev in self._evals:
+            for agent, s in (ev.get("scores") or {}).items():
+                if isinstance(s, int | float):
+                    latest[(agent, str(ev.get("label")))] = float(s)
+        for (agent, label), s in sorted(latest.items()):
+            score.add_metric([agent, label], s)
+        yield score
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        return exposition(self.registry, accept)
+
+
+GAUGES = {
+    "weight_version": "Weight version loaded on the agent's engines",
+    "queue_depth": "Turn requests waiting for the agent's rollout (stream lag + pending)",
+    "inflight_turns": "Turns the agent's rollout is generating now",
+    "inflight_capacity": "The rollout's bound on concurrent turns",
+    "inflight_groups": "Groups launched and not yet resolved by the buffer",
+    "staleness": "Versions the newest launched group is ahead of the loaded weights",
+    "max_staleness": "The agent's configured max_staleness",
+    "gate_blocked": "1 while the launch gate holds new groups back for this agent",
+    "group_reward": f"Mean reward of the agent's last {RECENT_GROUPS} groups",
+    "train_reward": "Mean reward of the last trained batch",
+    "train_stale_fraction": "Fraction of the last batch older than the trainer's weights",
+    "train_tokens_per_second": "Tokens per second of the last train step",
+    "generation_tokens_per_second": f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s of scrapes",
+}
+COUNTERS = {
+    "train_steps": "Train steps the agent's trainer has reported",
+    "generated_tokens": "Tokens generated for the agent in the episodes the coordinator recorded",
+}
+
+
+def _run_series(state: RunView) -> Iterator[Metric]:
+    yield CounterMetricFamily("tandem_episodes", "Episodes played", value=state.episodes_done)
+    yield GaugeMetricFamily("tandem_episodes_per_second", "Episodes per second (30 s window)",
+                            value=state.episodes_per_s())
+    yield GaugeMetricFamily("tandem_paused", "1 while the run is paused", value=float(state.paused))
+    phase = GaugeMetricFamily("tandem_phase", "1 for the run's current phase", labels=["phase"])
+    phase.add_metric([state.phase], 1.0)
+    yield phase
+
+
+def _buckets(values: list[float]) -> tuple[list[tuple[str, float]], float]:
+    cumulative = [(str(b), float(sum(v <= b for v in values))) for b in TRAIN_SECONDS_BUCKETS]
+    return [*cumulative, ("+Inf", float(len(values)))], float(sum(values))
+
+
+def _letter_agent(letter: DeadLetter | None, agents: list[str]) -> str:
+    if letter is None:
+        return ""
+    for agent in agents:
+        if letter.source_stream.endswith(f":{agent}") or letter.service.endswith(f"-{agent}"):
+            return agent
+    return ""
