@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
-import logging
 import os
 import shutil
 import signal
@@ -26,10 +25,10 @@ from services.common.bus import Bus
 from services.common.sglang_router import list_workers
 from services.contracts.config import AgentConfig, ConfigError, parse_config
 from services.contracts.messages import Event, GenerateReply, GenerateRequest, SamplingParams, WeightsUpdate
-from services.rollout.__main__ import resume_weights
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
 from services.rollout.fleet import EngineFleet
+from services.rollout.service import resume_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,7 +219,7 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         try:
             w = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
             await bus.redis.set(bus.streams.loaded_weights("A"), w.model_dump_json())
-            await resume_weights(bus, "A", fleet, logging.getLogger("test"))
+            await resume_weights(bus, "A", fleet)
         finally:
             await bus.close()
         async with httpx.AsyncClient(timeout=5) as http:
