@@ -9,12 +9,12 @@ import textwrap
 
 from services.common.bus import Bus
 from services.contracts.codec import FIELD, encode
-from services.contracts.messages import Control, DeadLetter
+from services.contracts.messages import Control
 
 
 async def _run_until(bus: Bus, stream: str, group: str, consumer: str, handler, stop: asyncio.Event,
                      **kw) -> asyncio.Task:
-    return asyncio.create_task(bus.consume(stream, group, consumer, Control, handler, stop, **kw))
+    return asyncio.create_task(bus.consume(stream, group, consumer, handler, stop, **kw))
 
 
 async def test_malformed_entries_go_to_deadletter_and_consumer_goes_on(redis_url):
@@ -42,16 +42,16 @@ async def test_malformed_entries_go_to_deadletter_and_consumer_goes_on(redis_url
     await bus.redis.xadd(stream, {FIELD: encode(Control(command="pause")).replace(b"pause", b"pouse")})
     await bus.publish(stream, Control(command="pause"))
     await bus.publish(stream, Control(command="resume", args={"boom": True}))
-    await bus.publish(stream, Control(command="eval", args={"reject": True}))
+    await bus.publish(stream, Control(command="checkpoint", args={"reject": True}))
     await bus.publish(stream, Control(command="stop"))
     watcher = asyncio.create_task(until_five_letters())
-    await asyncio.wait_for(bus.consume(stream, "g", "c1", Control, handler, stop, claim_idle_ms=50,
+    await asyncio.wait_for(bus.consume(stream, "g", "c1", handler, stop, claim_idle_ms=50,
                                        max_deliveries=2, block_ms=50), 10)
     await watcher
 
     # a transient failure is retried (reclaimed once), then dead-lettered; a rejection is not retried
-    assert seen == ["pause", "resume", "eval", "stop", "resume"]
-    letters = await bus.read_all(bus.streams.deadletter, DeadLetter)
+    assert seen == ["pause", "resume", "checkpoint", "stop", "resume"]
+    letters = await bus.read_all(bus.streams.deadletter)
     reasons = [d.reason for d in letters]
     assert len(letters) == 5
     assert "not valid msgpack" in reasons[0]
@@ -75,7 +75,7 @@ CRASHING_CONSUMER = textwrap.dedent("""
         async def handler(msg):
             await bus.redis.rpush("got", msg.id)     # read, effect not yet done...
             await asyncio.sleep(3600)                # ...and killed here, before the ack
-        await bus.consume(bus.streams.control, "g", "doomed", Control, handler, asyncio.Event())
+        await bus.consume(bus.streams.control, "g", "doomed", handler, asyncio.Event())
     asyncio.run(main())
 """)
 
@@ -107,7 +107,7 @@ async def test_killed_consumer_entry_is_reclaimed_and_effect_happens_once(redis_
         if all([await bus.redis.get(f"effect:{m.id}") for m in msgs]):
             stop.set()
 
-    await asyncio.wait_for(bus.consume(stream, "g", "survivor", Control, effect, stop, claim_idle_ms=200), 15)
+    await asyncio.wait_for(bus.consume(stream, "g", "survivor", effect, stop, claim_idle_ms=200), 15)
     for m in msgs:
         assert int(await bus.redis.get(f"effect:{m.id}")) == 1
     assert (await bus.redis.xpending(stream, "g"))["pending"] == 0
@@ -122,7 +122,7 @@ async def test_killed_consumer_entry_is_reclaimed_and_effect_happens_once(redis_
         if msg.command == "stop":
             stop2.set()
 
-    await asyncio.wait_for(bus.consume(stream, "g", "survivor", Control, effect2, stop2), 10)
+    await asyncio.wait_for(bus.consume(stream, "g", "survivor", effect2, stop2), 10)
     assert int(await bus.redis.get(f"effect:{msgs[0].id}")) == 1
     await bus.close()
 

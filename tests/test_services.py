@@ -73,9 +73,9 @@ async def test_trainer_handlers_train_commit_announce_once(redis_url: str, tiny_
     log = [json.loads(r) for r in await bus.redis.lrange(s.train_log("A"), 0, -1)]
     assert [r["batch_id"] for r in log] == [batch.id]
     (weights,) = await entries(bus, s.weights("A"), WeightsUpdate)
-    assert weights.version == 1 and Path(weights.path, "model.safetensors").is_file()
+    assert weights.version == 1 and await asyncio.to_thread(Path(weights.path, "model.safetensors").is_file)
     steps = [e for e in await entries(bus, s.events, Event) if e.kind == "train_step"]
-    assert [e.data["version"] for e in steps] == [1] and steps[0].data["batch_step"] == 1
+    assert [e.version for e in steps] == [1] and steps[0].batch_step == 1 and steps[0].metrics["samples"] == 2
 
     await trainer.on_batch(batch)  # a redelivery: not trained again, the version is announced again
     assert trainer.version == 1 and await bus.redis.llen(s.train_log("A")) == 1
@@ -108,11 +108,13 @@ async def test_buffer_handler_reports_the_verdict_and_releases_the_batch(redis_u
     await buffer.on_sample(sample("g2", 1.0))  # zero variance: dropped
     (batch,) = await entries(bus, bus.streams.batches("A"), Batch)
     assert batch.step == 1 and {x.group_id for x in batch.samples} == {"g1"}
-    events = [(e.kind, e.data) for e in await entries(bus, bus.streams.events, Event)]
-    assert events == [("group_done", {"group_id": "g1", "kept": True, "reason": "", "was_kept": False}),
-                      ("batch_released", {"step": 1, "samples": 2}),
-                      ("group_done", {"group_id": "g2", "kept": False, "reason": "zero reward variance",
-                                      "was_kept": False})]
+    events = [e.model_dump(exclude={"id", "created_at", "schema_version"})
+              for e in await entries(bus, bus.streams.events, Event)]
+    assert events == [{"kind": "group_done", "source": "buffer-A", "agent": "A", "group_id": "g1", "outcome": "kept",
+                       "reason": None, "was_kept": False},
+                      {"kind": "batch_released", "source": "buffer-A", "agent": "A", "step": 1, "samples": 2},
+                      {"kind": "group_done", "source": "buffer-A", "agent": "A", "group_id": "g2",
+                       "outcome": "dropped", "reason": "zero reward variance", "was_kept": False}]
     await bus.close()
 
 
@@ -173,13 +175,15 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         await rollout.on_weights(v2.model_copy(update={"version": 1}))  # an old update never rolls back
         assert int(await bus.redis.get(s.loaded_version("A"))) == 2
         loaded = [e for e in await entries(bus, s.events, Event) if e.kind == "weights_loaded"]
-        assert [(e.data["version"], e.data["engines"]) for e in loaded] == [(2, [engine_url])]
+        assert [(e.version, e.engines, e.path) for e in loaded] == [(2, [engine_url], str(tiny_model_dir))]
         await rollout.on_turn(req.model_copy(update={"id": "second"}))
         assert (await entries(bus, s.replies("test"), GenerateReply))[-1].weight_version == 2
 
         await rollout.publish_load()
         (load,) = [e for e in await entries(bus, s.events, Event) if e.kind == "rollout_load"]
-        assert load.data["engines"] == [{"url": engine_url, "healthy": True}] and load.data["inflight"] == 0
+        assert load.report() == {"queue_depth": 0, "inflight": 0, "capacity": rollout.concurrency, "waiting": 0,
+                                 "router": router_url,
+                                 "engines": [{"url": engine_url, "healthy": True}]}
     finally:
         await rollout.close()
         await bus.close()

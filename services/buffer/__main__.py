@@ -7,7 +7,6 @@ import asyncio
 from services.buffer.service import BufferService
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.messages import Sample
 
 
 async def main_async(config: str, agent: str) -> int:
@@ -18,7 +17,7 @@ async def main_async(config: str, agent: str) -> int:
     stop = asyncio.Event()
     await buffer.release()  # a restart may find complete groups waiting
     await run_service(f"buffer.{agent}", bus, stop,
-                      bus.consume(bus.streams.samples(agent), "buffer", bus.service, Sample, buffer.on_sample, stop),
+                      bus.consume(bus.streams.samples(agent), "buffer", bus.service, buffer.on_sample, stop),
                       watch_control(bus, f"control-buffer-{agent}", stop))
     return 0
 

@@ -12,7 +12,7 @@ import logging
 from services.buffer.store import GroupVerdict, SampleStore
 from services.common.bus import Bus
 from services.contracts.config import TandemConfig
-from services.contracts.messages import Event, Sample
+from services.contracts.messages import BatchReleased, GroupDone, Sample
 
 
 class BufferService:
@@ -38,11 +38,10 @@ class BufferService:
             await self.report(v)
         for b in batches:
             self.log.info("released batch for step %d: %d samples", b.step, len(b.samples))
-            await self.bus.publish(self.bus.streams.events, Event(
-                source=self.bus.service, kind="batch_released", agent=self.agent,
-                data={"step": b.step, "samples": len(b.samples)}))
+            await self.bus.publish(self.bus.streams.events, BatchReleased(
+                source=self.bus.service, agent=self.agent, step=b.step, samples=len(b.samples)))
 
     async def report(self, v: GroupVerdict) -> None:
-        await self.bus.publish(self.bus.streams.events, Event(
-            source=self.bus.service, kind="group_done", agent=self.agent,
-            data={"group_id": v.group_id, "kept": v.kept, "reason": v.reason, "was_kept": v.was_kept}))
+        await self.bus.publish(self.bus.streams.events, GroupDone(
+            source=self.bus.service, agent=self.agent, group_id=v.group_id, outcome="kept" if v.kept else "dropped",
+            reason=v.reason or None, was_kept=v.was_kept))

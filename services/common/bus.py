@@ -1,6 +1,9 @@
 """Redis Streams bus: publish, consume with consumer groups, reclaim, dead-letter.
 
-Delivery rules (DESIGN §2):
+What goes on which stream is the flow table (``services.contracts.flows``): ``consume``
+validates every entry as its stream's message type, and ``publish`` refuses any other type.
+
+Delivery rules:
 * consumer groups with explicit XACK, sent only after the handler returned,
   i.e. after its effect is durable;
 * entries left pending by a dead consumer are reclaimed with XAUTOCLAIM;
@@ -21,17 +24,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import ResponseError
 
 from services.contracts.codec import FIELD, decode, encode
+from services.contracts.flows import Flow, flow
 from services.contracts.messages import DeadLetter
 from services.contracts.streams import Streams
 
-M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Any], Awaitable[None]]
 log = logging.getLogger("tandem.bus")
 
@@ -53,8 +56,15 @@ class Bus:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    def flow(self, stream: str) -> Flow:
+        """The flow-table entry of one of this run's streams."""
+        return flow(self.streams.name_of(stream))
+
     # --- producing ----------------------------------------------------------
     async def publish(self, stream: str, msg: BaseModel) -> str:
+        f = self.flow(stream)
+        if not isinstance(msg, f.types):
+            raise TypeError(f"{type(msg).__name__} cannot go on {stream}: the flow table says {f.message_name}")
         entry_id = await self.redis.xadd(stream, {FIELD: encode(msg)})
         return entry_id.decode()
 
@@ -77,8 +87,7 @@ class Bus:
         stream: str,
         group: str,
         consumer: str,
-        model: type[M],
-        handler: Callable[[M], Awaitable[None]],
+        handler: Handler,
         stop: asyncio.Event,
         *,
         concurrency: int = 1,
@@ -90,8 +99,10 @@ class Bus:
     ) -> None:
         """Run ``handler`` on every entry of ``stream`` for ``group`` until ``stop``.
 
-        ``concurrency`` > 1 runs handlers as concurrent tasks (order not kept).
+        Entries are validated as the stream's message type in the flow table. ``concurrency`` > 1 runs
+        handlers as concurrent tasks (order not kept).
         """
+        f = self.flow(stream)
         await self.ensure_group(stream, group, start)
         sem = asyncio.Semaphore(concurrency)
         tasks: set[asyncio.Task[None]] = set()
@@ -115,7 +126,7 @@ class Bus:
             for entry_id, fields in entries:
                 if entry_id in working:
                     continue
-                job = self._handle(stream, group, entry_id.decode(), fields, model, handler, max_deliveries)
+                job = self._handle(stream, group, entry_id.decode(), fields, f, handler, max_deliveries)
                 if concurrency == 1:
                     await job
                     continue
@@ -142,16 +153,16 @@ class Bus:
         return int(info[0]["times_delivered"]) if info else 1
 
     async def _handle(self, stream: str, group: str, entry_id: str, fields: dict[bytes, bytes],
-                      model: type[M], handler: Callable[[M], Awaitable[None]], max_deliveries: int) -> None:
+                      f: Flow, handler: Handler, max_deliveries: int) -> None:
         raw = fields.get(FIELD)
         if raw is None:
             await self.dead_letter(stream, entry_id, b"", f"entry has no {FIELD.decode()!r} field")
             await self.redis.xack(stream, group, entry_id)
             return
         try:
-            msg = decode(raw, model)
+            msg = decode(raw, f.message)
         except (ValueError, ValidationError) as exc:
-            await self.dead_letter(stream, entry_id, raw, f"invalid {model.__name__}: {exc}")
+            await self.dead_letter(stream, entry_id, raw, f"invalid {f.message_name}: {exc}")
             await self.redis.xack(stream, group, entry_id)
             return
         done_key = self.streams.done_set(stream, group)
@@ -184,8 +195,10 @@ class Bus:
             await pipe.execute()
 
     # --- reading and housekeeping ------------------------------------------
-    async def read_all(self, stream: str, model: type[M]) -> list[M]:
-        out: list[M] = []
+    async def read_all(self, stream: str) -> list[Any]:
+        """Every valid entry of ``stream`` as its flow's message type (invalid ones are skipped)."""
+        model = self.flow(stream).message
+        out: list[Any] = []
         for _, fields in await self.redis.xrange(stream):
             try:
                 out.append(decode(fields[FIELD], model))

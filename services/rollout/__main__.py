@@ -7,7 +7,6 @@ import asyncio
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.messages import GenerateRequest, WeightsUpdate
 from services.rollout.service import RolloutService
 
 
@@ -21,9 +20,9 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
     try:
         await run_service(
             f"rollout.{agent}", bus, stop,
-            bus.consume(s.turns(agent), "rollout", bus.service, GenerateRequest, rollout.on_turn, stop,
+            bus.consume(s.turns(agent), "rollout", bus.service, rollout.on_turn, stop,
                         concurrency=rollout.concurrency, count=64),
-            bus.consume(s.weights(agent), "rollout", bus.service, WeightsUpdate, rollout.on_weights, stop),
+            bus.consume(s.weights(agent), "rollout", bus.service, rollout.on_weights, stop),
             watch_control(bus, f"control-rollout-{agent}", stop),
             *rollout.background(stop))
     finally:

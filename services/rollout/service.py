@@ -19,14 +19,20 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable
-from typing import Any
 
 import httpx
 
 from services.common.bus import Bus, RetryLater
 from services.common.sglang_router import list_workers
 from services.contracts.config import TandemConfig
-from services.contracts.messages import Event, GenerateReply, GenerateRequest, WeightsUpdate
+from services.contracts.messages import (
+    EngineStatus,
+    GenerateReply,
+    GenerateRequest,
+    RolloutLoad,
+    WeightsLoaded,
+    WeightsUpdate,
+)
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
 from services.rollout.fleet import EngineFleet
 from services.rollout.limiter import InflightLimiter
@@ -127,8 +133,8 @@ class RolloutService:
             pipe.set(s.loaded_version(agent), w.version)
             pipe.set(s.loaded_weights(agent), w.model_dump_json())
             await pipe.execute()
-        await self.bus.publish(s.events, Event(source=self.bus.service, kind="weights_loaded", agent=agent,
-                                               data={"version": w.version, "engines": engines, "path": w.path}))
+        await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent, version=w.version,
+                                                       engines=engines, path=w.path))
         log.info("version %d loaded on %d engine(s)", w.version, len(engines))
 
     # --- the load report --------------------------------------------------------------
@@ -145,13 +151,13 @@ class RolloutService:
             for g in await self.bus.redis.xinfo_groups(s.turns(self.agent)):
                 if g["name"] in (b"rollout", "rollout"):
                     depth = int(g.get("lag") or 0) + int(g.get("pending") or 0)
-        engines: list[dict[str, Any]] = self.fleet.snapshot() if self.fleet else []
+        engines = [EngineStatus(**e) for e in self.fleet.snapshot()] if self.fleet else []
         if self.fleet is None:
             with contextlib.suppress(httpx.HTTPError, RuntimeError):  # an external router may be down a while
-                engines = [{"url": u, "healthy": True} for u in await list_workers(self.router_url)]
-        await self.bus.publish(s.events, Event(source=self.bus.service, kind="rollout_load", agent=self.agent, data={
-            "queue_depth": depth, "inflight": self.limiter.inflight, "capacity": self.limiter.capacity(),
-            "waiting": self.limiter.waiting, "router": self.router_url, "engines": engines}))
+                engines = [EngineStatus(url=u, healthy=True) for u in await list_workers(self.router_url)]
+        await self.bus.publish(s.events, RolloutLoad(
+            source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
+            capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines))
 
 
 async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:

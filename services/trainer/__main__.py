@@ -14,7 +14,6 @@ from services.common.service import (
     setup_logging,
     watch_control,
 )
-from services.contracts.messages import Batch
 from services.trainer.service import TrainerService
 from services.training.backends import make_policy
 
@@ -45,7 +44,7 @@ async def main_async(config: str, agent: str) -> int:
     log.info("trainer for %s (%s, %s) at version %d", agent, acfg.backend, acfg.algorithm.name, trainer.version)
     stop = asyncio.Event()
     await run_service(f"trainer.{agent}", bus, stop,
-                      bus.consume(bus.streams.batches(agent), "trainer", bus.service, Batch, trainer.on_batch, stop),
+                      bus.consume(bus.streams.batches(agent), "trainer", bus.service, trainer.on_batch, stop),
                       watch_control(bus, f"control-trainer-{agent}", stop, trainer.on_control))
     policy.close()  # releases the megatron follower ranks
     return 0

@@ -27,7 +27,7 @@ from typing import Any
 
 from services.common.bus import Bus
 from services.contracts.config import TandemConfig
-from services.contracts.messages import Batch, Control, Event, Sample, WeightsUpdate
+from services.contracts.messages import Batch, Control, Sample, TrainStep, WeightsUpdate
 from services.training.backends import Policy
 
 KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
@@ -150,5 +150,7 @@ class TrainerService:
         await self.bus.publish(s.weights(self.agent), WeightsUpdate(agent=self.agent, version=rec["version"],
                                                                     path=rec["path"], checksum=rec["checksum"]))
         if "metrics" in rec:
-            await self.bus.publish(s.events, Event(source=self.bus.service, kind="train_step", agent=self.agent,
-                                                   data=rec["metrics"]))
+            metrics = {k: v for k, v in rec["metrics"].items() if k not in ("version", "batch_step")}
+            await self.bus.publish(s.events, TrainStep(source=self.bus.service, agent=self.agent,
+                                                       version=rec["version"], batch_step=rec["metrics"]["batch_step"],
+                                                       metrics=metrics))
