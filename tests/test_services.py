@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.buffer.service import BufferService
-from services.common.bus import Bus
+from services.common.bus import Bus, Reject
 from services.common.embedded_redis import free_port
 from services.common.sglang_router import list_workers, router_command, wait_healthy
 from services.contracts.codec import FIELD, decode
@@ -81,7 +81,7 @@ async def test_trainer_handlers_train_commit_announce_once(redis_url: str, tiny_
     assert trainer.version == 1 and await bus.redis.llen(s.train_log("A")) == 1
     assert [w.version for w in await entries(bus, s.weights("A"), WeightsUpdate)] == [1, 1]
 
-    with pytest.raises(ValueError, match="samples of \\['B'\\]"):
+    with pytest.raises(Reject, match="samples of \\['B'\\]"):
         await trainer.on_batch(Batch(agent="A", step=2, samples=[sample("h", 1.0, agent="B")]))
     shutil.rmtree(trainer.state_dir(1))
     await trainer.on_control(Control(command="checkpoint"))  # re-writes the current version's state
@@ -106,6 +106,8 @@ async def test_buffer_handler_reports_the_verdict_and_releases_the_batch(redis_u
     await buffer.on_sample(sample("g1", 0.0))
     await buffer.on_sample(sample("g2", 1.0))
     await buffer.on_sample(sample("g2", 1.0))  # zero variance: dropped
+    with pytest.raises(Reject, match="sample of agent 'B' reached the buffer of 'A'"):
+        await buffer.on_sample(sample("g3", 1.0, agent="B"))
     (batch,) = await entries(bus, bus.streams.batches("A"), Batch)
     assert batch.step == 1 and {x.group_id for x in batch.samples} == {"g1"}
     events = [e.model_dump(exclude={"id", "created_at", "schema_version"})
@@ -165,7 +167,7 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         (reply,) = await entries(bus, s.replies("test"), GenerateReply)
         assert reply.request_id == req.id and reply.error is None and 1 <= len(reply.output_ids) <= 4
         assert reply.weight_version == 0 and len(reply.output_logprobs) == len(reply.output_ids)
-        with pytest.raises(ValueError, match="request for agent 'B'"):
+        with pytest.raises(Reject, match="request for agent 'B'"):
             await rollout.on_turn(req.model_copy(update={"agent": "B"}))
 
         v2 = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from services.buffer.store import GroupVerdict, SampleStore
-from services.common.bus import Bus
+from services.common.bus import Bus, Reject
 from services.contracts.config import TandemConfig
 from services.contracts.messages import BatchReleased, GroupDone, Sample
 
@@ -27,6 +27,8 @@ class BufferService:
                                  max_batches=cfg.run.total_steps)
 
     async def on_sample(self, sample: Sample) -> None:
+        if sample.agent != self.agent:
+            raise Reject(f"sample of agent {sample.agent!r} reached the buffer of {self.agent!r}")
         verdict = await self.store.add(sample)
         if verdict is not None:
             await self.report(verdict)

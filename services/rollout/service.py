@@ -22,7 +22,7 @@ from collections.abc import Awaitable
 
 import httpx
 
-from services.common.bus import Bus, RetryLater
+from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
 from services.contracts.config import TandemConfig
 from services.contracts.messages import (
@@ -84,7 +84,7 @@ class RolloutService:
     # --- handlers ---------------------------------------------------------------------
     async def on_turn(self, req: GenerateRequest) -> None:
         if req.agent != self.agent:
-            raise ValueError(f"request for agent {req.agent!r} on the turns stream of {self.agent!r}")
+            raise Reject(f"request for agent {req.agent!r} on the turns stream of {self.agent!r}")
         res = await self.generate(req)
         await self.bus.publish(req.reply_stream, GenerateReply(
             request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
@@ -109,7 +109,7 @@ class RolloutService:
                         request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
                         output_ids=[], output_logprobs=[], finish_reason="abort", weight_version=-1,
                         engine=self.router_url, error=str(exc)))
-                    raise ValueError(str(exc)) from exc
+                    raise Reject(str(exc)) from exc
                 log.warning("generate failed (attempt %d): %s", attempt + 1, exc)
                 await asyncio.sleep(0.2 * 2 ** attempt)
         raise RetryLater("router unavailable")
@@ -117,7 +117,7 @@ class RolloutService:
     async def on_weights(self, w: WeightsUpdate) -> None:
         agent, s = self.agent, self.bus.streams
         if w.agent != agent:
-            raise ValueError(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
+            raise Reject(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
         loaded = await self.bus.redis.get(s.loaded_version(agent))
         if loaded is not None and w.version < int(loaded):  # a redelivered old update never rolls engines back
             log.warning("version %d arrived after version %s was loaded: skipped", w.version, int(loaded))

@@ -25,7 +25,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from services.common.bus import Bus
+from services.common.bus import Bus, Reject
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Batch, Control, Sample, TrainStep, WeightsUpdate
 from services.training.backends import Policy
@@ -87,7 +87,7 @@ class TrainerService:
         agent, s = self.agent, self.bus.streams
         wrong = [x.agent for x in batch.samples if x.agent != agent] + ([batch.agent] if batch.agent != agent else [])
         if wrong:
-            raise ValueError(f"batch for agent {batch.agent!r} holds samples of {sorted(set(wrong))}; "
+            raise Reject(f"batch for agent {batch.agent!r} holds samples of {sorted(set(wrong))}; "
                              f"this trainer trains {agent!r}")
         seen = await self.bus.redis.smismember(s.trained_samples(agent), [x.id for x in batch.samples])
         fresh = [x for x, done in zip(batch.samples, seen, strict=True) if not done]
