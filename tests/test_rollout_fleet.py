@@ -155,6 +155,10 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
                 break
             await asyncio.sleep(0.2)
         await bus.publish(s.weights("A"), WeightsUpdate(agent="A", version=1, path=str(v1), checksum="x"))
+        for _ in range(300):  # turns race the update on the engines: send them once version 1 is loaded
+            if await _events(bus, "weights_loaded"):
+                break
+            await asyncio.sleep(0.1)
         first = await send(10, "a")
         await collect(first, 60)
         assert len(await _events(bus, "weights_loaded")) == 1

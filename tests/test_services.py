@@ -169,6 +169,8 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         assert reply.weight_version == 0 and len(reply.output_logprobs) == len(reply.output_ids)
         with pytest.raises(Reject, match="request for agent 'B'"):
             await rollout.on_turn(req.model_copy(update={"agent": "B"}))
+        with pytest.raises(Reject, match="reply_stream 'tandem:other:replies:c'.*not a stream of run 't'"):
+            await rollout.on_turn(req.model_copy(update={"reply_stream": "tandem:other:replies:c"}))
 
         v2 = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
         await rollout.on_weights(v2)

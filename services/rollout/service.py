@@ -85,6 +85,10 @@ class RolloutService:
     async def on_turn(self, req: GenerateRequest) -> None:
         if req.agent != self.agent:
             raise Reject(f"request for agent {req.agent!r} on the turns stream of {self.agent!r}")
+        try:
+            self.bus.flow(req.reply_stream)
+        except (ValueError, KeyError) as exc:
+            raise Reject(f"reply_stream {req.reply_stream!r}: {exc}") from exc
         res = await self.generate(req)
         await self.bus.publish(req.reply_stream, GenerateReply(
             request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
