@@ -232,6 +232,29 @@ async def test_consumers_and_producers_carry_on_across_a_redis_restart(tmp_path)
         server.stop()
 
 
+async def test_a_consumer_whose_group_vanished_creates_it_again(redis_url):
+    """Redis restarted without its data: the stream and the group are gone; the loop recreates them."""
+    bus = Bus(redis_url, "t", "gone")
+    stream = bus.streams.control
+    seen: list[str] = []
+    stop = asyncio.Event()
+
+    async def handler(msg: Control) -> None:
+        seen.append(msg.command)
+
+    loop = asyncio.create_task(bus.consume(stream, "g", "c", handler, stop, block_ms=50))
+    await bus.publish(stream, Control(command="pause"))
+    await until(lambda: seen == ["pause"])
+    await bus.redis.delete(stream)
+    await asyncio.sleep(0.2)
+    await bus.publish(stream, Control(command="resume"))
+    await until(lambda: seen == ["pause", "resume"])
+    assert not loop.done()
+    stop.set()
+    await asyncio.wait_for(loop, 10)
+    await bus.close()
+
+
 async def publish_n(bus: Bus, stream: str, n: int) -> None:
     for i in range(n):
         await bus.publish(stream, Control(command="resume", args={"n": i}))

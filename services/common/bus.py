@@ -233,6 +233,12 @@ class _ConsumeLoop:
                 except REDIS_DOWN as exc:
                     await backoff.wait(exc)
                     pending_id, fresh = "0", True  # Redis may have restarted: re-ensure the group, re-read ours
+                except ResponseError as exc:
+                    if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
+                        raise
+                    log.warning("%s: the group %s of %s is gone (Redis lost its data?); creating it again",
+                                self.consumer, self.group, self.stream)
+                    pending_id, fresh = "0", True
             if self.tasks:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
         finally:
