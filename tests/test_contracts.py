@@ -11,14 +11,21 @@ from pydantic import ValidationError
 from services.contracts.codec import decode, encode
 from services.contracts.config import ConfigError, load_config, parse_config
 from services.contracts.messages import (
+    EVENT_TYPES,
     Batch,
+    BatchReleased,
     Control,
     DeadLetter,
+    EngineStatus,
     Event,
     GenerateReply,
     GenerateRequest,
+    GroupDone,
+    RolloutLoad,
     Sample,
     SamplingParams,
+    TrainStep,
+    WeightsLoaded,
     WeightsUpdate,
 )
 
@@ -34,7 +41,11 @@ MESSAGES = [
     SAMPLE,
     Batch(agent="A", step=1, samples=[SAMPLE]),
     WeightsUpdate(agent="A", version=1, path="/tmp/x", checksum="ab"),
-    Event(source="t", kind="train_step", agent="A", data={"loss": 0.5}),
+    TrainStep(source="t", agent="A", version=1, batch_step=1, metrics={"loss": 0.5, "backend": "torch"}),
+    WeightsLoaded(source="t", agent="A", version=1, path="/tmp/x", engines=["http://e0"]),
+    GroupDone(source="t", agent="A", group_id="g", outcome="abandoned", reason="a sample was dead-lettered"),
+    BatchReleased(source="t", agent="A", step=1, samples=4),
+    RolloutLoad(source="t", agent="A", queue_depth=1, engines=[EngineStatus(url="http://e0", healthy=True)]),
     Control(command="pause"),
     DeadLetter(source_stream="s", entry_id="1-0", service="t", reason="bad", payload=b"\x00\x01"),
 ]
@@ -44,7 +55,30 @@ MESSAGES = [
 def test_round_trip_is_exact(msg):
     again = decode(encode(msg), type(msg))
     assert again == msg
-    assert again.schema_version == 1 and again.id == msg.id and again.created_at == msg.created_at
+    assert again.schema_version == 2 and again.id == msg.id and again.created_at == msg.created_at
+
+
+def test_events_decode_to_their_kind_and_bad_ones_name_the_field():
+    events = [m for m in MESSAGES if isinstance(m, EVENT_TYPES)]
+    assert {e.kind for e in events} == {"train_step", "weights_loaded", "group_done", "batch_released",
+                                        "rollout_load"}
+    for e in events:
+        again = decode(encode(e), Event)
+        assert type(again) is type(e) and again == e
+    with pytest.raises(ValidationError, match="outcome"):
+        decode(encode(GroupDone(source="t", agent="A", group_id="g", outcome="kept")).replace(b"kept", b"lost"),
+               Event)
+    for kind in ("health", "error"):  # declared once, never sent: gone
+        with pytest.raises(ValidationError, match="kind"):
+            decode(msgpack.packb({"kind": kind, "source": "t", "agent": "A"}), Event)
+    with pytest.raises(ValidationError, match="data"):  # schema 1's untyped dict
+        decode(msgpack.packb({"kind": "train_step", "source": "t", "agent": "A", "version": 1, "batch_step": 1,
+                              "metrics": {}, "data": {}}), Event)
+    with pytest.raises(ValidationError, match="schema_version"):
+        decode(msgpack.packb({**BatchReleased(source="t", agent="A", step=1, samples=1).model_dump(),
+                              "schema_version": 1}), Event)
+    with pytest.raises(ValidationError, match="command"):
+        Control(command="eval")
 
 
 def test_ids_are_unique():

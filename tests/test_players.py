@@ -76,11 +76,11 @@ def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path)
                                  pool_size=2), "redis_url": redis_url})
     coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
     assert coord.resolve_pool({"X": "A", "O": "pool:A"}) == {"X": "A", "O": POLICY + m}  # only version 0 yet
-    from services.contracts.messages import Event
+    from services.contracts.messages import WeightsLoaded
 
     for v in (1, 2, 3):
-        asyncio.run(coord.on_event(Event(source="rollout", kind="weights_loaded", agent="A",
-                                         data={"version": v, "path": f"/ckpt/v{v}"})))
+        asyncio.run(coord.on_event(WeightsLoaded(source="rollout", agent="A", version=v, path=f"/ckpt/v{v}",
+                                                 engines=[])))
     drawn = {coord.resolve_pool({"X": "A", "O": "pool:A"})["O"] for _ in range(50)}
     assert drawn == {POLICY + "/ckpt/v2", POLICY + "/ckpt/v3"}  # the last pool_size versions
     assert coord.roles_for_group(1) == {"X": "pool:A", "O": "A"}  # sides alternate; the pool follows

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
-import logging
 import os
 import shutil
 import signal
@@ -25,11 +24,19 @@ from safetensors.torch import load_file, save_file
 from services.common.bus import Bus
 from services.common.sglang_router import list_workers
 from services.contracts.config import AgentConfig, ConfigError, parse_config
-from services.contracts.messages import Event, GenerateReply, GenerateRequest, SamplingParams, WeightsUpdate
-from services.rollout.__main__ import resume_weights
+from services.contracts.messages import (
+    EngineStatus,
+    GenerateReply,
+    GenerateRequest,
+    RolloutLoad,
+    SamplingParams,
+    WeightsLoaded,
+    WeightsUpdate,
+)
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
 from services.rollout.fleet import EngineFleet
+from services.rollout.service import resume_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,8 +90,8 @@ def test_config_fields_of_the_lifecycle() -> None:
             parse_config({**base, "agents": {"A": {"model_path": "m", **bad}}})
 
 
-async def _events(bus: Bus, kind: str) -> list[Event]:
-    return [e for e in await bus.read_all(bus.streams.events, Event) if e.kind == kind]
+async def _events(bus: Bus, kind: str) -> list[WeightsLoaded | RolloutLoad]:
+    return [e for e in await bus.read_all(bus.streams.events) if e.kind == kind]
 
 
 @pytest.mark.slow
@@ -133,13 +140,13 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
     async def collect(ids: list[str], within: float) -> None:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline and not set(ids) <= set(replies):
-            for r in await bus.read_all(s.replies("test"), GenerateReply):
+            for r in await bus.read_all(s.replies("test")):
                 replies[r.request_id] = r
             await asyncio.sleep(0.3)
 
     async def load() -> dict[str, Any]:
         ev = await _events(bus, "rollout_load")
-        return ev[-1].data if ev else {}
+        return ev[-1].report() if ev else {}
 
     try:
         for _ in range(600):  # both engines registered
@@ -148,6 +155,10 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
                 break
             await asyncio.sleep(0.2)
         await bus.publish(s.weights("A"), WeightsUpdate(agent="A", version=1, path=str(v1), checksum="x"))
+        for _ in range(300):  # turns race the update on the engines: send them once version 1 is loaded
+            if await _events(bus, "weights_loaded"):
+                break
+            await asyncio.sleep(0.1)
         first = await send(10, "a")
         await collect(first, 60)
         assert len(await _events(bus, "weights_loaded")) == 1
@@ -184,7 +195,7 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
             if all(int(g.get("lag") or 0) == 0 and int(g.get("pending") or 0) == 0 for g in groups):
                 break
             await asyncio.sleep(0.1)
-        assert [e.data["version"] for e in await _events(bus, "weights_loaded")] == [1, 3]
+        assert [e.version for e in await _events(bus, "weights_loaded")] == [1, 3]
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"{victim['url']}/get_model_info")).json()["weight_version"] == "3"
     finally:
@@ -220,7 +231,7 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         try:
             w = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
             await bus.redis.set(bus.streams.loaded_weights("A"), w.model_dump_json())
-            await resume_weights(bus, "A", fleet, logging.getLogger("test"))
+            await resume_weights(bus, "A", fleet)
         finally:
             await bus.close()
         async with httpx.AsyncClient(timeout=5) as http:
@@ -241,7 +252,7 @@ async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str
         coord = Coordinator(cfg, bus)
         data = {"queue_depth": 3, "inflight": 2, "capacity": 64, "waiting": 0, "router": "http://r",
                 "engines": [{"url": "http://e0", "healthy": True, "restarts": 1, "num_reqs": 2}]}
-        await coord.on_event(Event(source="rollout-A", kind="rollout_load", agent="A", data=data))
+        await coord.on_event(RolloutLoad(source="rollout-A", agent="A", **data))
         assert coord.state.status()["agents"]["A"]["rollout"] == data
     finally:
         await bus.close()
@@ -261,8 +272,8 @@ async def test_coordinator_sends_no_turn_before_every_rollout_has_a_healthy_engi
         waiting = asyncio.create_task(coord.wait_for_engines(timeout=60))
 
         async def load(agent: str, healthy: bool) -> None:
-            await coord.on_event(Event(source=f"rollout-{agent}", kind="rollout_load", agent=agent, data={
-                "engines": [{"url": "http://e0", "healthy": healthy}]}))
+            await coord.on_event(RolloutLoad(source=f"rollout-{agent}", agent=agent,
+                                             engines=[EngineStatus(url="http://e0", healthy=healthy)]))
             await asyncio.sleep(0.05)
 
         await load("A", True)

@@ -126,7 +126,7 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
 
     # per-step metrics on the events stream (what the coordinator serves at /v1/metrics)
     events = [decode(f[FIELD], Event) for _, f in r.xrange(s.events)]
-    steps = {e.data["version"]: e.data for e in events if e.kind == "train_step" and e.agent == "A"}
+    steps = {e.version: e.metrics for e in events if e.kind == "train_step" and e.agent == "A"}
     assert sorted(steps) == list(range(1, STEPS + 1))
     for key in ("loss", "pg_loss", "entropy", "clip_frac", "grad_norm", "lr", "tokens_per_s", "stale_frac"):
         assert all(isinstance(m[key], float) for m in steps.values()), key

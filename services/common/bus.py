@@ -1,18 +1,30 @@
-"""Redis Streams bus: publish, consume with consumer groups, reclaim, dead-letter.
+"""Redis Streams bus: publish, consume with consumer groups, reclaim, dead-letter, reconnect.
 
-Delivery rules (DESIGN §2):
+What goes on which stream is the flow table (``services.contracts.flows``): ``consume``
+validates every entry as its stream's message type, and ``publish`` refuses any other type.
+
+Delivery rules:
 * consumer groups with explicit XACK, sent only after the handler returned,
   i.e. after its effect is durable;
 * entries left pending by a dead consumer are reclaimed with XAUTOCLAIM;
 * effects are idempotent by message id: ids whose effect is done are kept in a
   per-group set and a redelivered one is acknowledged without running again;
-* a payload that fails to decode or validate, or whose handler rejects it
-  (``ValueError``), goes to the dead-letter stream with the reason at once and
-  the consumer goes on; any other handler failure leaves the entry pending, so
-  it is retried (reclaimed) until it has been delivered ``max_deliveries``
-  times, and only then dead-lettered;
+* a payload that fails to decode or validate, or whose handler raises ``Reject``,
+  goes to the dead-letter stream with the reason at once and the consumer goes on;
+  any other handler failure (``ValueError`` included) leaves the entry pending, so
+  it is retried (reclaimed) until it has been delivered ``max_deliveries`` times,
+  and only then dead-lettered; ``RetryLater`` leaves it pending without counting;
 * nothing is trimmed here except by ``trim_acknowledged``, which never cuts
   past an entry some group has not acknowledged.
+
+Speed: the bookkeeping is batched per read (one SMISMEMBER for the done-set checks of a
+whole read) and per completion burst (done-set adds, acks and dead letters in one
+pipeline); the connection pool is sized and waits for a free connection rather than failing.
+
+Redis restarts: while Redis is unreachable (``ConnectionError``/``TimeoutError``), the
+consume loops and ``publish`` wait with bounded exponential backoff and carry on when it
+is back (consumer groups re-ensured, this consumer's pending entries read again); only
+after ``reconnect_window_s`` without Redis do they give up and raise.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -28,43 +41,76 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import ResponseError
 
 from services.common.metrics import count_dead_letter, observed
+from services.common.reconnect import RECONNECT_WINDOW_S, REDIS_DOWN, Backoff
 from services.contracts.codec import FIELD, decode, encode
+from services.contracts.flows import Flow, flow
 from services.contracts.messages import DeadLetter
 from services.contracts.streams import Streams
 
-M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Any], Awaitable[None]]
+T = TypeVar("T")
 log = logging.getLogger("tandem.bus")
-
-
-class RetryLater(Exception):
-    """Raised by a handler to leave the entry pending; it is reclaimed later."""
-
 
 MAX_DELIVERIES = 3
 DONE_TTL_S = 7 * 24 * 3600  # done-id sets outlive any redelivery, then expire
+POOL_SIZE = 64  # connections per Bus; a caller waits for a free one (never an error)
+CLOSE_FLUSH_S = 5.0  # at close, how long to try acknowledging what was handled
+
+
+class RetryLater(Exception):
+    """Raised by a handler to leave the entry pending; it is reclaimed later (not counted as a failure)."""
+
+
+class Reject(Exception):
+    """Raised by a handler when the message itself is unusable: it is dead-lettered at once with the reason."""
 
 
 class Bus:
-    def __init__(self, redis_url: str, run: str, service: str) -> None:
-        self.redis = aioredis.from_url(redis_url, decode_responses=False)
+    def __init__(self, redis_url: str, run: str, service: str, *, pool_size: int = POOL_SIZE,
+                 reconnect_window_s: float = RECONNECT_WINDOW_S) -> None:
+        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=pool_size, timeout=None,
+                                                        decode_responses=False,
+                                                        client_name=service.replace(" ", "_") or None)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.streams = Streams(run)
         self.service = service
+        self.reconnect_window_s = reconnect_window_s
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
+
+    def flow(self, stream: str) -> Flow:
+        """The flow-table entry of one of this run's streams."""
+        return flow(self.streams.name_of(stream))
+
+    async def retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, again with backoff while Redis is unreachable."""
+        backoff = Backoff(f"{self.service} {what}", self.reconnect_window_s)
+        while True:
+            try:
+                return await call()
+            except REDIS_DOWN as exc:
+                await backoff.wait(exc)
 
     # --- producing ----------------------------------------------------------
     async def publish(self, stream: str, msg: BaseModel) -> str:
-        entry_id = await self.redis.xadd(stream, {FIELD: encode(msg)})
+        f = self.flow(stream)
+        if not isinstance(msg, f.types):
+            raise TypeError(f"{type(msg).__name__} cannot go on {stream}: the flow table says {f.message_name}")
+        payload = encode(msg)
+        entry_id = await self.retrying(f"publish on {stream}", lambda: self.redis.xadd(stream, {FIELD: payload}))
         return entry_id.decode()
 
-    async def dead_letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> None:
+    def letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> dict[bytes, bytes]:
         log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
         count_dead_letter(stream)
-        letter = DeadLetter(source_stream=stream, entry_id=entry_id, service=self.service,
-                            reason=reason, payload=payload)
-        await self.redis.xadd(self.streams.deadletter, {FIELD: encode(letter)})
+        return {FIELD: encode(DeadLetter(source_stream=stream, entry_id=entry_id, service=self.service,
+                                         reason=reason, payload=payload))}
+
+    async def dead_letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> None:
+        letter = self.letter(stream, entry_id, payload, reason)
+        await self.retrying("dead-letter", lambda: self.redis.xadd(self.streams.deadletter, letter))
 
     # --- consuming ----------------------------------------------------------
     async def ensure_group(self, stream: str, group: str, start: str = "0") -> None:
@@ -79,8 +125,7 @@ class Bus:
         stream: str,
         group: str,
         consumer: str,
-        model: type[M],
-        handler: Callable[[M], Awaitable[None]],
+        handler: Handler,
         stop: asyncio.Event,
         *,
         concurrency: int = 1,
@@ -92,103 +137,22 @@ class Bus:
     ) -> None:
         """Run ``handler`` on every entry of ``stream`` for ``group`` until ``stop``.
 
-        ``concurrency`` > 1 runs handlers as concurrent tasks (order not kept).
+        Entries are validated as the stream's message type in the flow table. ``concurrency`` > 1 runs
+        handlers as concurrent tasks (order not kept).
         """
-        await self.ensure_group(stream, group, start)
-        sem = asyncio.Semaphore(concurrency)
-        tasks: set[asyncio.Task[None]] = set()
-        working: set[bytes] = set()  # entries this consumer is handling now: never reclaim those
-        pending_id: str | None = "0"  # first our own pending entries (a restart), then new ones
-        next_claim = 0.0
-        while not stop.is_set():
-            entries: list[tuple[bytes, dict[bytes, bytes]]] = []
-            if time.monotonic() >= next_claim:
-                entries = await self._autoclaim(stream, group, consumer, claim_idle_ms, count)
-                next_claim = time.monotonic() + max(claim_idle_ms / 2000, 0.05)
-            if not entries:
-                read_id = pending_id or ">"
-                resp = await self.redis.xreadgroup(group, consumer, {stream: read_id}, count=count,
-                                                   block=None if pending_id else block_ms)
-                entries = resp[0][1] if resp else []
-                if pending_id and not entries:
-                    pending_id = None
-                elif pending_id:
-                    pending_id = entries[-1][0].decode()
-            for entry_id, fields in entries:
-                if entry_id in working:
-                    continue
-                job = observed(stream, group, self._handle(stream, group, entry_id.decode(), fields, model, handler,
-                                                           max_deliveries))
-                if concurrency == 1:
-                    await job
-                    continue
-                await sem.acquire()
-                working.add(entry_id)
-                task = asyncio.create_task(job)
-                tasks.add(task)
-                task.add_done_callback(
-                    lambda t, e=entry_id: (tasks.discard(t), working.discard(e), sem.release()))
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        loop = _ConsumeLoop(self, stream, group, consumer, handler, concurrency, count, block_ms, claim_idle_ms,
+                            start, max_deliveries)
+        await loop.run(stop)
 
-    async def _autoclaim(self, stream: str, group: str, consumer: str, idle_ms: int,
-                         count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        resp = await self.redis.xautoclaim(stream, group, consumer, min_idle_time=idle_ms,
-                                           start_id="0-0", count=count)
-        claimed = [(eid, fields) for eid, fields in resp[1] if fields is not None]
-        if claimed:
-            log.info("%s reclaimed %d pending entries of %s", consumer, len(claimed), stream)
-        return claimed
-
-    async def _deliveries(self, stream: str, group: str, entry_id: str) -> int:
+    async def deliveries(self, stream: str, group: str, entry_id: str) -> int:
         info = await self.redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
         return int(info[0]["times_delivered"]) if info else 1
 
-    async def _handle(self, stream: str, group: str, entry_id: str, fields: dict[bytes, bytes],
-                      model: type[M], handler: Callable[[M], Awaitable[None]], max_deliveries: int) -> None:
-        raw = fields.get(FIELD)
-        if raw is None:
-            await self.dead_letter(stream, entry_id, b"", f"entry has no {FIELD.decode()!r} field")
-            await self.redis.xack(stream, group, entry_id)
-            return
-        try:
-            msg = decode(raw, model)
-        except (ValueError, ValidationError) as exc:
-            await self.dead_letter(stream, entry_id, raw, f"invalid {model.__name__}: {exc}")
-            await self.redis.xack(stream, group, entry_id)
-            return
-        done_key = self.streams.done_set(stream, group)
-        msg_id = getattr(msg, "id", entry_id)
-        if await self.redis.sismember(done_key, msg_id):
-            await self.redis.xack(stream, group, entry_id)
-            return
-        try:
-            await handler(msg)
-        except RetryLater as exc:
-            log.info("leaving %s %s pending: %s", stream, entry_id, exc)
-            return
-        except asyncio.CancelledError:
-            raise
-        except (ValueError, ValidationError) as exc:  # the message itself is unusable
-            await self.dead_letter(stream, entry_id, raw, f"rejected by {self.service}: {exc}")
-        except Exception as exc:  # a failing message must not stop the service
-            tries = await self._deliveries(stream, group, entry_id)
-            if tries < max_deliveries:
-                log.warning("handler failed on %s %s (delivery %d of %d), will retry: %r",
-                            stream, entry_id, tries, max_deliveries, exc)
-                return
-            log.exception("handler failed on %s %s for the last time", stream, entry_id)
-            await self.dead_letter(stream, entry_id, raw, f"processing failed in {self.service} after "
-                                   f"{tries} deliveries: {type(exc).__name__}: {exc}")
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.sadd(done_key, msg_id)
-            pipe.expire(done_key, DONE_TTL_S)
-            pipe.xack(stream, group, entry_id)
-            await pipe.execute()
-
     # --- reading and housekeeping ------------------------------------------
-    async def read_all(self, stream: str, model: type[M]) -> list[M]:
-        out: list[M] = []
+    async def read_all(self, stream: str) -> list[Any]:
+        """Every valid entry of ``stream`` as its flow's message type (invalid ones are skipped)."""
+        model = self.flow(stream).message
+        out: list[Any] = []
         for _, fields in await self.redis.xrange(stream):
             try:
                 out.append(decode(fields[FIELD], model))
@@ -219,3 +183,214 @@ class Bus:
             floor = key if floor is None or key < floor else floor
         assert floor is not None
         return int(await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+
+
+@dataclass
+class _Entry:
+    entry_id: bytes
+    raw: bytes
+    msg: Any = None  # the decoded message; None when it could not be decoded
+    msg_id: str = ""
+    letter: str | None = None  # why it goes to the dead-letter stream
+    owner: bool = False  # handled here: later entries with its message id are acknowledged with it
+
+
+class _ConsumeLoop:
+    """One ``Bus.consume``: reads, batches the bookkeeping, runs the handlers, survives Redis restarts."""
+
+    def __init__(self, bus: Bus, stream: str, group: str, consumer: str, handler: Handler, concurrency: int,
+                 count: int, block_ms: int, claim_idle_ms: int, start: str, max_deliveries: int) -> None:
+        self.bus, self.r, self.stream, self.group, self.consumer = bus, bus.redis, stream, group, consumer
+        self.flow, self.handler = bus.flow(stream), handler
+        self.concurrency, self.count, self.block_ms, self.claim_idle_ms = concurrency, count, block_ms, claim_idle_ms
+        self.start, self.max_deliveries = start, max_deliveries
+        self.done_key = bus.streams.done_set(stream, group)
+        self.sem = asyncio.Semaphore(concurrency)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.working: set[bytes] = set()  # read and not yet acknowledged here: never handle or reclaim twice
+        self.inflight: dict[str, list[bytes]] = {}  # message id being handled -> later entries with that id
+        self.completed: list[_Entry] = []  # handled (or to dead-letter), not yet acknowledged
+        self.wake = asyncio.Event()
+        self.closing = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        backoff = Backoff(f"{self.bus.service} consuming {self.stream}", self.bus.reconnect_window_s)
+        flusher = asyncio.create_task(self._flusher())
+        pending_id: str | None = "0"  # first our own pending entries (a restart), then new ones
+        next_claim, fresh = 0.0, True
+        try:
+            while not stop.is_set():
+                try:
+                    if fresh:
+                        await self.bus.ensure_group(self.stream, self.group, self.start)
+                        fresh = False
+                    entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+                    if time.monotonic() >= next_claim:
+                        entries = await self._autoclaim()
+                        next_claim = time.monotonic() + max(self.claim_idle_ms / 2000, 0.05)
+                    if not entries:
+                        entries, pending_id = await self._read(pending_id)
+                    await self._dispatch(entries)
+                    backoff.reset()
+                except REDIS_DOWN as exc:
+                    await backoff.wait(exc)
+                    pending_id, fresh = "0", True  # Redis may have restarted: re-ensure the group, re-read ours
+                except ResponseError as exc:
+                    if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
+                        raise
+                    log.warning("%s: the group %s of %s is gone (Redis lost its data?); creating it again",
+                                self.consumer, self.group, self.stream)
+                    pending_id, fresh = "0", True
+            if self.tasks:
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+        finally:
+            await asyncio.shield(self._close(flusher))
+
+    async def _read(self, pending_id: str | None) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], str | None]:
+        resp = await self.r.xreadgroup(self.group, self.consumer, {self.stream: pending_id or ">"}, count=self.count,
+                                       block=None if pending_id else self.block_ms)
+        entries = resp[0][1] if resp else []
+        if pending_id:
+            pending_id = entries[-1][0].decode() if entries else None
+        return entries, pending_id
+
+    async def _autoclaim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        resp = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms,
+                                       start_id="0-0", count=self.count)
+        claimed = [(eid, fields) for eid, fields in resp[1] if fields is not None]
+        if claimed:
+            log.info("%s reclaimed %d pending entries of %s", self.consumer, len(claimed), self.stream)
+        return claimed
+
+    def _parse(self, entry_id: bytes, fields: dict[bytes, bytes]) -> _Entry:
+        raw = fields.get(FIELD)
+        if raw is None:
+            return _Entry(entry_id, b"", letter=f"entry has no {FIELD.decode()!r} field")
+        try:
+            msg = decode(raw, self.flow.message)
+        except (ValueError, ValidationError) as exc:
+            return _Entry(entry_id, raw, letter=f"invalid {self.flow.message_name}: {exc}")
+        return _Entry(entry_id, raw, msg, getattr(msg, "id", entry_id.decode()))
+
+    async def _dispatch(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """One read: parse, check the done set once, settle what needs no handler, run the handlers."""
+        parsed = [self._parse(eid, fields) for eid, fields in entries if eid not in self.working]
+        if not parsed:
+            return
+        valid = [e for e in parsed if e.letter is None]
+        done = await self.r.smismember(self.done_key, [e.msg_id for e in valid]) if valid else []
+        self.working.update(e.entry_id for e in parsed)  # (after the check: if Redis fails there, none is held)
+        settled = [e for e in parsed if e.letter is not None]
+        todo: list[_Entry] = []
+        for e, is_done in zip(valid, done, strict=True):
+            if is_done:
+                settled.append(e)
+            elif e.msg_id in self.inflight:  # the same message twice at once: acknowledged with the first
+                self.inflight[e.msg_id].append(e.entry_id)
+            else:
+                self.inflight[e.msg_id], e.owner = [], True
+                todo.append(e)
+        self.completed.extend(settled)
+        if settled:
+            self.wake.set()
+        for e in todo:
+            if self.concurrency == 1:
+                await observed(self.stream, self.group, self._handle(e))
+                continue
+            await self.sem.acquire()
+            task = asyncio.create_task(observed(self.stream, self.group, self._handle(e)))
+            self.tasks.add(task)
+            task.add_done_callback(lambda t: (self.tasks.discard(t), self.sem.release()))
+
+    async def _handle(self, e: _Entry) -> None:
+        """Run the handler; on success or a final failure the entry joins ``completed`` (acknowledged in a burst);
+        otherwise it stays pending and is released for a later reclaim."""
+        try:
+            await self.handler(e.msg)
+        except RetryLater as exc:
+            log.info("leaving %s %s pending: %s", self.stream, e.entry_id.decode(), exc)
+            return self._release(e)
+        except asyncio.CancelledError:
+            self._release(e)
+            raise
+        except Reject as exc:  # the message itself is unusable
+            e.letter = f"rejected by {self.bus.service}: {exc}"
+        except Exception as exc:  # a failing message must not stop the service
+            if not await self._last_try(e, exc):
+                return self._release(e)
+        self.completed.append(e)
+        self.wake.set()
+
+    async def _last_try(self, e: _Entry, exc: Exception) -> bool:
+        """Whether a failed entry has used up its deliveries (then it is marked for the dead-letter stream)."""
+        if isinstance(exc, REDIS_DOWN):
+            log.warning("Redis unreachable in the handler of %s %s; it stays pending", self.stream, e.entry_id)
+            return False
+        try:
+            tries = await self.bus.deliveries(self.stream, self.group, e.entry_id.decode())
+        except REDIS_DOWN:
+            return False
+        if tries < self.max_deliveries:
+            log.warning("handler failed on %s %s (delivery %d of %d), will retry: %r",
+                        self.stream, e.entry_id.decode(), tries, self.max_deliveries, exc)
+            return False
+        log.error("handler failed on %s %s for the last time", self.stream, e.entry_id.decode(), exc_info=exc)
+        e.letter = (f"processing failed in {self.bus.service} after {tries} deliveries: "
+                    f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _release(self, e: _Entry) -> None:
+        """Not acknowledged: forget it here, so a later reclaim handles it again (with its duplicates)."""
+        self.working.discard(e.entry_id)
+        self.working.difference_update(self.inflight.pop(e.msg_id, []) if e.owner else [])
+
+    async def _flush(self) -> None:
+        """Acknowledge every completed entry in one pipeline: dead letters, done-set adds, acks."""
+        batch, self.completed = self.completed, []
+        if not batch:
+            return
+        try:
+            await self._settle(batch)
+        except BaseException:
+            self.completed[:0] = batch  # not acknowledged: kept for the next flush
+            raise
+        for e in batch:
+            self.working.discard(e.entry_id)
+            self.working.difference_update(self.inflight.pop(e.msg_id, []) if e.owner else [])
+
+    async def _settle(self, batch: list[_Entry]) -> None:
+        ids = [e.entry_id for e in batch] + [d for e in batch if e.owner for d in self.inflight.get(e.msg_id, [])]
+        async with self.r.pipeline(transaction=True) as pipe:
+            for e in batch:
+                if e.letter is not None:
+                    pipe.xadd(self.bus.streams.deadletter,
+                              self.bus.letter(self.stream, e.entry_id.decode(), e.raw, e.letter))
+            msg_ids = [e.msg_id for e in batch if e.msg_id]
+            if msg_ids:
+                pipe.sadd(self.done_key, *msg_ids)
+                pipe.expire(self.done_key, DONE_TTL_S)
+            pipe.xack(self.stream, self.group, *ids)
+            await pipe.execute()
+
+    async def _flusher(self) -> None:
+        """Acknowledge, beside the reads and handlers, what completed while the previous burst was being
+        acknowledged; returns once the loop is closing and nothing is left."""
+        backoff = Backoff(f"{self.bus.service} acknowledging {self.stream}", self.bus.reconnect_window_s)
+        while not (self.closing and not self.completed):
+            await self.wake.wait()
+            self.wake.clear()
+            try:
+                await self._flush()
+                backoff.reset()
+            except REDIS_DOWN as exc:
+                await backoff.wait(exc)
+                self.wake.set()
+
+    async def _close(self, flusher: asyncio.Task[None]) -> None:
+        """Acknowledge what is handled (waiting at most CLOSE_FLUSH_S for Redis); the rest is redelivered later."""
+        self.closing = True
+        self.wake.set()
+        try:
+            await asyncio.wait_for(flusher, CLOSE_FLUSH_S)
+        except (TimeoutError, *REDIS_DOWN) as exc:
+            log.warning("%s: %d handled entries left unacknowledged: %r", self.stream, len(self.completed), exc)

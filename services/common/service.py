@@ -92,7 +92,7 @@ async def watch_control(bus: Bus, group: str, stop: asyncio.Event,
         if cmd.command == "stop" and stop_on_stop:
             stop.set()
 
-    await bus.consume(bus.streams.control, group, group, Control, handle, stop, start="$")
+    await bus.consume(bus.streams.control, group, group, handle, stop, start="$")
 
 
 async def serve_health_during(name: str, work: Callable[[], Awaitable[T]], health_port: int | None = None) -> T:

@@ -10,26 +10,41 @@ scale with every sample kept until acknowledged, so size wins.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 import msgpack
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 M = TypeVar("M", bound=BaseModel)
 
 FIELD = b"d"  # the single field of every stream entry that holds the payload
+_adapters: dict[int, TypeAdapter[Any]] = {}  # by id of a non-class message type (the Event union)
 
 
 def encode(msg: BaseModel) -> bytes:
     return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
 
 
-def decode(raw: bytes, model: type[M]) -> M:
-    """Decode and validate; raises ValueError (msgpack) or ValidationError (pydantic)."""
+@overload
+def decode(raw: bytes, model: type[M]) -> M: ...
+
+
+@overload
+def decode(raw: bytes, model: Any) -> Any: ...
+
+
+def decode(raw: bytes, model: Any) -> Any:
+    """Decode and validate as ``model``: a message class, or a discriminated union of them (``Event``);
+    raises ValueError (msgpack) or ValidationError (pydantic)."""
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ValueError(f"payload is not valid msgpack: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"payload must be a map, got {type(data).__name__}")
-    return model.model_validate(data)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return model.model_validate(data)
+    adapter = _adapters.get(id(model))
+    if adapter is None:
+        adapter = _adapters[id(model)] = TypeAdapter(model)
+    return adapter.validate_python(data)

@@ -1,19 +1,23 @@
-"""Pydantic models of every message on the streams (DESIGN §2).
+"""Pydantic models of every message on the streams (which stream carries which: contracts/flows.py).
 
 Each message carries a schema version, a unique id and its creation time.
 Unknown fields are rejected, so a producer on another schema is caught at the
 consumer and dead-lettered rather than half-understood.
+
+Schema 2: events are a discriminated union on ``kind`` (one model per kind, typed fields in place
+of a ``data`` dict); the never-sent event kinds ``health`` and ``error`` and the never-sent
+control command ``eval`` are gone.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def new_id() -> str:
@@ -23,7 +27,7 @@ def new_id() -> str:
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     id: str = Field(default_factory=new_id, min_length=1)
     created_at: float = Field(default_factory=time.time)
 
@@ -138,30 +142,95 @@ class WeightsUpdate(Message):
     checksum: str
 
 
-EventKind = Literal[
-    "weights_loaded",
-    "train_step",
-    "group_done",
-    "batch_released",
-    "health",
-    "error",
-    "rollout_load",  # rollout → all: queue depth, in-flight bound, per-engine health and load
-]
+class EventBase(Message):
+    """events — facts the coordinator aggregates (and anyone may read); ``kind`` tells which."""
+
+    source: str = Field(description="the publishing service, e.g. rollout-A")
+    agent: str
 
 
-class Event(Message):
-    """events — facts the coordinator aggregates (and anyone may read)."""
+class WeightsLoaded(EventBase):
+    """rollout → the agent's engines now serve ``version`` (loaded from ``path``)."""
 
-    source: str
-    kind: EventKind
-    agent: str | None = None
-    data: dict[str, Any] = Field(default_factory=dict)
+    kind: Literal["weights_loaded"] = "weights_loaded"
+    version: int = Field(ge=0)
+    path: str
+    engines: list[str]
+
+
+class TrainStep(EventBase):
+    """trainer → version ``version`` is committed; ``metrics`` are the step's (flat: loss terms, kl, entropy,
+    clip_frac, grad_norm, lr, tokens_per_s, TIS statistics, algorithm, backend ...)."""
+
+    kind: Literal["train_step"] = "train_step"
+    version: int = Field(ge=1)
+    batch_step: int = Field(ge=1, description="the step of the batch it trained on")
+    metrics: dict[str, float | int | str | None]
+
+
+GroupOutcome = Literal["kept", "dropped", "abandoned"]
+
+
+class GroupDone(EventBase):
+    """buffer → a group's verdict: kept (ready for a batch), dropped (``reason``: zero reward variance, stale)
+    or abandoned (``reason``). ``was_kept``: dropped after an earlier kept verdict (stale at release)."""
+
+    kind: Literal["group_done"] = "group_done"
+    group_id: str
+    outcome: GroupOutcome
+    reason: str | None = None
+    was_kept: bool = False
+
+
+class BatchReleased(EventBase):
+    """buffer → the batch for ``step`` (``samples`` samples) is on ``batches:{agent}``."""
+
+    kind: Literal["batch_released"] = "batch_released"
+    step: int = Field(ge=1)
+    samples: int = Field(ge=1)
+
+
+class EngineStatus(BaseModel):
+    """One engine in a ``rollout_load`` report (fields the rollout does not know are left out)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    healthy: bool
+    pid: int | None = None
+    restarts: int | None = None
+    weight_version: int | None = None
+    num_reqs: int | None = None
+    num_waiting_reqs: int | None = None
+    num_tokens: int | None = None
+
+
+class RolloutLoad(EventBase):
+    """rollout → its turns queue depth, in-flight bound and per-engine health and load (every few seconds)."""
+
+    kind: Literal["rollout_load"] = "rollout_load"
+    queue_depth: int = Field(0, ge=0)
+    inflight: int = Field(0, ge=0)
+    capacity: int = Field(0, ge=0)
+    waiting: int = Field(0, ge=0)
+    router: str = ""
+    engines: list[EngineStatus] = Field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        """The load as a plain dict (engines without the fields their rollout left out)."""
+        return {**self.model_dump(include={"queue_depth", "inflight", "capacity", "waiting", "router"}),
+                "engines": [e.model_dump(exclude_none=True) for e in self.engines]}
+
+
+Event = Annotated[WeightsLoaded | TrainStep | GroupDone | BatchReleased | RolloutLoad, Field(discriminator="kind")]
+"""Every event, told apart by ``kind``."""
+EVENT_TYPES: tuple[type[EventBase], ...] = (WeightsLoaded, TrainStep, GroupDone, BatchReleased, RolloutLoad)
 
 
 class Control(Message):
     """control — commands from the coordinator to every service."""
 
-    command: Literal["pause", "resume", "stop", "checkpoint", "eval"]
+    command: Literal["pause", "resume", "stop", "checkpoint"]
     args: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -12,6 +12,13 @@ class Streams:
     def key(self, name: str) -> str:
         return f"tandem:{self.run}:{name}"
 
+    def name_of(self, stream: str) -> str:
+        """The flow-table name of one of this run's streams (``tandem:{run}:turns:A`` -> ``turns``)."""
+        prefix = self.key("")
+        if not stream.startswith(prefix):
+            raise ValueError(f"{stream!r} is not a stream of run {self.run!r}")
+        return stream[len(prefix):].split(":", 1)[0]
+
     def turns(self, agent: str) -> str:
         return self.key(f"turns:{agent}")
 

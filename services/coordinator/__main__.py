@@ -9,7 +9,7 @@ import uvicorn
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.messages import Control, Event, GenerateReply
+from services.contracts.messages import Control
 from services.coordinator.api import create_app
 from services.coordinator.report import write_report
 from services.coordinator.scheduler import Coordinator
@@ -54,9 +54,9 @@ async def main_async(config: str, port: int | None) -> int:
         server.should_exit = True
 
     loops = [
-        bus.consume(s.replies(coord.name), "coordinator", coord.name, GenerateReply, coord.on_reply, stop,
+        bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.on_reply, stop,
                     concurrency=1, count=64),
-        bus.consume(s.events, "coordinator", coord.name, Event, coord.on_event, stop),
+        bus.consume(s.events, "coordinator", coord.name, coord.on_event, stop),
         watch_control(bus, "control-coordinator", stop, on_control, stop_on_stop=False),
         server.serve(),
         housekeeping(),

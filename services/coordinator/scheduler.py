@@ -89,28 +89,27 @@ class Coordinator:
                 fut.set_result(reply)
 
     async def on_event(self, ev: Event) -> None:
-        if ev.kind == "weights_loaded" and ev.agent in self.versions and ev.data.get("path"):
-            if ev.data["path"] not in self.versions[ev.agent]:
-                self.versions[ev.agent].append(str(ev.data["path"]))
-        if ev.kind == "rollout_load" and ev.agent and ev.agent not in self.engines_ready and any(
-                e.get("healthy") for e in ev.data.get("engines", [])):
+        if ev.kind == "weights_loaded" and ev.agent in self.versions and ev.path:
+            if ev.path not in self.versions[ev.agent]:
+                self.versions[ev.agent].append(ev.path)
+        if ev.kind == "rollout_load" and ev.agent not in self.engines_ready and any(
+                e.healthy for e in ev.engines):
             self.engines_ready.add(ev.agent)  # frozen agents too: they have no AgentState
             await self.notify()
-        agent = self.state.agents.get(ev.agent or "")
+        agent = self.state.agents.get(ev.agent)
         if agent is None:
             return
         if ev.kind == "weights_loaded":
-            version = int(ev.data["version"])
-            agent.loaded_version = max(agent.loaded_version, version)
-            if version not in agent.versions_loaded:
-                agent.versions_loaded.append(version)
-        elif ev.kind == "train_step" and ("version" not in ev.data
-                                          or all(t.get("version") != ev.data["version"] for t in agent.train_steps)):
-            agent.train_steps.append({**finite(ev.data), "time": ev.created_at})  # once per version (re-sends)
+            agent.loaded_version = max(agent.loaded_version, ev.version)
+            if ev.version not in agent.versions_loaded:
+                agent.versions_loaded.append(ev.version)
+        elif ev.kind == "train_step" and all(t.get("version") != ev.version for t in agent.train_steps):
+            agent.train_steps.append({**finite(ev.metrics), "version": ev.version, "batch_step": ev.batch_step,
+                                      "time": ev.created_at})  # once per version (re-sends)
         elif ev.kind == "rollout_load":
-            agent.rollout = dict(ev.data)
+            agent.rollout = ev.report()
         elif ev.kind == "group_done":
-            agent.resolve_group(str(ev.data.get("group_id")), "kept" if ev.data.get("kept") else "dropped")
+            agent.resolve_group(ev.group_id, ev.outcome)
         await self.notify()
 
     async def control(self, command: str, publish: bool = True) -> None:

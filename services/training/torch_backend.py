@@ -15,19 +15,19 @@ import importlib
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.contracts.config import AgentConfig
-from services.contracts.messages import Sample
-from services.training.algorithms import make_algorithm, make_inputs, step_metrics
+from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.schedule import lr_factor
+from services.training.step import Tensors, TrainingStep, pad_batch
+
+__all__ = ["TorchPolicy", "file_checksum", "pad_batch", "replace_dir"]
 
 STATE_FILE = "trainer_state.pt"
 
@@ -38,24 +38,6 @@ def file_checksum(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; targets are tokens shifted by one."""
-    t = max(len(s.tokens) for s in samples)
-    b = len(samples)
-    tokens = torch.full((b, t), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, t), dtype=torch.long)
-    mask = torch.zeros((b, t), dtype=torch.float32)
-    old = torch.zeros((b, t), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        n = len(s.tokens)
-        tokens[i, :n] = torch.tensor(s.tokens)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        old[i, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    return {"input_ids": tokens, "attention_mask": attn, "targets": tokens[:, 1:],
-            "mask": mask[:, 1:], "old_logp": old[:, 1:]}
 
 
 def lora() -> ModuleType:
@@ -69,8 +51,11 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
-class TorchPolicy:
+class TorchPolicy(TrainingStep):
     """The torch backend; ``version`` is the weight version its weights are (0 = the start model)."""
+
+    backend = "torch"
+    follower = False  # one process: no ranks to follow
 
     def __init__(self, acfg: AgentConfig, temperature: float) -> None:
         torch.manual_seed(acfg.seed)
@@ -116,32 +101,21 @@ class TorchPolicy:
         with self.model.disable_adapter():  # LoRA: the frozen base is the reference
             return self.forward(batch)[0]
 
-    # -- one training step ---------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict[str, Any]:
-        start = time.perf_counter()
-        plan = self.algo.prepare(samples, self.version)
-        batches = [pad_batch([plan.samples[i] for i in mb], self.pad_id) for mb in plan.minibatches]
-        with torch.no_grad():
-            prox = [self.forward(b)[0] for b in batches] if self.algo.needs_prox(plan) else [None] * len(batches)
-        ref = ([self.reference_logprobs(b) for b in batches] if self.algo.needs_reference
-               else [None] * len(batches))
-        parts, grad_norms = [], []
-        for _ in range(self.cfg.epochs if batches else 0):
-            for k, mb in enumerate(plan.minibatches):
-                b = batches[k]
-                logp, ent = self.forward(b, entropy=True)
-                x = make_inputs(self.cfg, logp, b["old_logp"], b["mask"], plan.advantages[mb], plan.stale[mb],
-                                prox[k], ref[k], ent)
-                loss, stats = self.algo.loss(x)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm)))
-                self.optimizer.step()
-                self.scheduler.step()
-                parts.append(stats)
-        self.version += 1
-        return step_metrics(parts, samples, plan, self.cfg, "torch", self.scheduler.get_last_lr()[0],
-                            grad_norms, time.perf_counter() - start)
+    # -- the hooks of the shared training step ---------------------------------------------
+    def old_logprobs(self, batch: Tensors, reference: bool) -> torch.Tensor:
+        return self.reference_logprobs(batch) if reference else self.logprobs(batch)
+
+    def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
+                 ref: torch.Tensor | None) -> Stats:
+        logp, ent = self.forward(batch, entropy=True)
+        x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], plan.advantages[rows], plan.stale[rows],
+                        prox, ref, ent)
+        loss, stats = self.algo.loss(x)
+        loss.backward()
+        return stats
+
+    def clip_grads(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))
 
     # -- weights for the engines ---------------------------------------------------------
     def save(self, out_dir: Path) -> tuple[Path, str]:
@@ -185,3 +159,10 @@ class TorchPolicy:
         random.setstate(state["python_rng"])
         self.version = int(state["version"])
         return self.version
+
+    # -- ranks: a single process has none ------------------------------------------------
+    def follow(self) -> None:
+        raise RuntimeError("the torch backend runs in one process; it has no follower rank")
+
+    def close(self) -> None:
+        """Nothing to release: the torch backend holds no other process."""

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_engine",
-              "trainer": "tests.bench.bench_trainer"}
+              "trainer": "tests.bench.bench_trainer",
+              "bus": "tests.bench.bench_bus"}
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.training.algorithms import make_algorithm, make_inputs, step_metrics
+from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.megatron.layout import check_layout
 from services.training.megatron.model import arch_of, build_model, init_parallel
@@ -44,7 +43,8 @@ from services.training.megatron.weights import (
     unshard,
 )
 from services.training.schedule import lr_factor
-from services.training.torch_backend import file_checksum, pad_batch, replace_dir
+from services.training.step import Tensors, TrainingStep
+from services.training.torch_backend import file_checksum, replace_dir
 
 STATE_FILE = "megatron_rank{tp}_{pp}.pt"
 
@@ -62,8 +62,10 @@ def write_hf_dir(tmp: Path, tensors: dict[str, torch.Tensor], hf_config: Any, to
         shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
 
 
-class MegatronPolicy:
+class MegatronPolicy(TrainingStep):
     """The megatron backend; ``version`` is the weight version its weights are (0 = the start model)."""
+
+    backend = "megatron"
 
     def __init__(self, acfg: AgentConfig, temperature: float) -> None:
         self.acfg, self.cfg, self.temperature = acfg, acfg.algorithm, temperature
@@ -187,13 +189,14 @@ class MegatronPolicy:
             return torch.zeros((), device=logp.device), {"logp": logp.cpu()}
         return self._last_stage_result(self._run(batch, keep, model or self.model, True))["logp"]
 
-    # -- one training step ---------------------------------------------------------------
-    def _rows(self, mb: list[int]) -> list[int]:
+    # -- the hooks of the shared training step ---------------------------------------------
+    def rows(self, mb: list[int]) -> list[int]:
         """This data-parallel rank's rows of a minibatch (all of them when it has fewer rows than ranks)."""
         dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         return mb[r::dp] if len(mb) >= dp else mb
 
-    def _reduce_and_clip(self) -> float:
+    def clip_grads(self) -> float:
+        """Average the gradients over data-parallel ranks, then clip them over the model-parallel group."""
         for p in self.params:  # rows the loss did not reach still take part in every all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -233,40 +236,24 @@ class MegatronPolicy:
         dist.all_reduce(t, group=ps.get_data_parallel_group(), op=dist.ReduceOp.SUM)
         return {k: float(v) / dp for k, v in zip(keys, t.tolist(), strict=True)}
 
+    def old_logprobs(self, batch: Tensors, reference: bool) -> torch.Tensor:
+        return self.logprobs(batch, self.reference if reference else None)
+
+    def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
+                 ref: torch.Tensor | None) -> Stats:
+        def loss_fn(logits: torch.Tensor, logp: torch.Tensor) -> Any:
+            ent = token_entropy(logits if self.algo.needs_entropy_grad else logits.detach(), self.temperature)
+            dev = logp.device
+            x = make_inputs(self.cfg, logp, batch["old_logp"].to(dev), batch["mask"].to(dev),
+                            plan.advantages[rows].to(dev), plan.stale[rows].to(dev),
+                            None if prox is None else prox.to(dev), None if ref is None else ref.to(dev), ent)
+            return self.algo.loss(x)
+
+        return self._average(self._last_stage_result(self._run(batch, loss_fn, self.model, False)))
+
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         self._lead("train_step", samples)
-        start = time.perf_counter()
-        plan = self.algo.prepare(samples, self.version)
-        rows = [self._rows(mb) for mb in plan.minibatches]
-        batches = [pad_batch([plan.samples[i] for i in r], self.pad_id) for r in rows]
-        none = [None] * len(batches)
-        prox = [self.logprobs(b) for b in batches] if self.algo.needs_prox(plan) else none
-        ref = [self.logprobs(b, self.reference) for b in batches] if self.algo.needs_reference else none
-        parts, grad_norms = [], []
-        for _ in range(self.cfg.epochs if batches else 0):
-            for k, r in enumerate(rows):
-                b = batches[k]
-
-                def loss_fn(logits: torch.Tensor, logp: torch.Tensor, b: dict = b, k: int = k,
-                            r: list[int] = r) -> Any:
-                    ent = token_entropy(logits if self.algo.needs_entropy_grad else logits.detach(), self.temperature)
-                    dev = logp.device
-                    x = make_inputs(self.cfg, logp, b["old_logp"].to(dev), b["mask"].to(dev),
-                                    plan.advantages[r].to(dev), plan.stale[r].to(dev),
-                                    None if prox[k] is None else prox[k].to(dev),
-                                    None if ref[k] is None else ref[k].to(dev), ent)
-                    loss, stats = self.algo.loss(x)
-                    return loss, stats
-
-                self.optimizer.zero_grad(set_to_none=True)
-                outputs = self._run(b, loss_fn, self.model, False)
-                grad_norms.append(self._reduce_and_clip())
-                self.optimizer.step()
-                self.scheduler.step()
-                parts.append(self._average(self._last_stage_result(outputs)))
-        self.version += 1
-        return step_metrics(parts, samples, plan, self.cfg, "megatron", self.scheduler.get_last_lr()[0],
-                            grad_norms, time.perf_counter() - start)
+        return super().train_step(samples)
 
     # -- weights for the engines ---------------------------------------------------------
     def save(self, out_dir: Path) -> tuple[Path, str]:

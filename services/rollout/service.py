@@ -1,0 +1,178 @@
+"""The rollout service: one handler per stream (``on_turn``, ``on_weights``) and the load report.
+
+Without a router URL the rollout owns its engines: it starts the real SGLang router and the
+agent's ``num_engines`` engines as child processes, registers them at run time, health-checks and
+restarts them (``fleet.EngineFleet``). With a router URL it drives an externally managed router and
+loads weights on the workers that router lists.
+
+``on_turn``: a generation request from ``turns:{agent}`` goes to the router (``/generate`` with
+input_ids, sampling_params, return_logprob), at most ``max_inflight_per_engine`` per healthy engine
+at a time, and the token-exact reply goes to the requester's reply stream. ``on_weights``: new
+weights from ``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published.
+``report_load``: every ``LOAD_EVERY_S`` the queue depth and per-engine load go to ``events`` as
+``rollout_load``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+
+import httpx
+
+from services.common.bus import Bus, Reject, RetryLater
+from services.common.sglang_router import list_workers
+from services.contracts.config import TandemConfig
+from services.contracts.messages import (
+    EngineStatus,
+    GenerateReply,
+    GenerateRequest,
+    RolloutLoad,
+    WeightsLoaded,
+    WeightsUpdate,
+)
+from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
+from services.rollout.fleet import EngineFleet
+from services.rollout.limiter import InflightLimiter
+
+RETRIES = 5
+LOAD_EVERY_S = 2.0
+log = logging.getLogger("tandem.rollout")
+
+
+class RolloutService:
+    """One agent's rollout. Build it with ``start`` (engines up, resumed weights), wire the handlers, ``close``."""
+
+    def __init__(self, cfg: TandemConfig, agent: str, bus: Bus, router_url: str,
+                 fleet: EngineFleet | None = None) -> None:
+        self.acfg = cfg.agents[agent]
+        self.agent, self.bus, self.router_url, self.fleet = agent, bus, router_url, fleet
+        self.client = EngineClient(router_url, timeout=120.0)
+        per_engine = self.acfg.max_inflight_per_engine
+        self.limiter = InflightLimiter(lambda: per_engine * (fleet.healthy() if fleet else self.acfg.num_engines))
+
+    @classmethod
+    async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None) -> RolloutService:
+        """With no ``router_url``, start the agent's router and engines and put them on the loaded version."""
+        if router_url is not None:
+            return cls(cfg, agent, bus, router_url)
+        fleet = EngineFleet(agent, cfg.agents[agent])
+        try:
+            await fleet.start()
+            await resume_weights(bus, agent, fleet)
+        except BaseException:
+            await fleet.close()
+            raise
+        return cls(cfg, agent, bus, fleet.router_url, fleet)
+
+    @property
+    def concurrency(self) -> int:
+        """How many turns the turns stream's consumer handles at once."""
+        return self.acfg.num_engines * self.acfg.max_inflight_per_engine
+
+    def background(self, stop: asyncio.Event) -> list[Awaitable[None]]:
+        """Loops that run beside the handlers: the load report, and the fleet's supervision when it owns one."""
+        return [self.report_load(stop), *([self.fleet.supervise(stop)] if self.fleet else [])]
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        if self.fleet is not None:
+            await self.fleet.close()
+
+    # --- handlers ---------------------------------------------------------------------
+    async def on_turn(self, req: GenerateRequest) -> None:
+        if req.agent != self.agent:
+            raise Reject(f"request for agent {req.agent!r} on the turns stream of {self.agent!r}")
+        try:
+            self.bus.flow(req.reply_stream)
+        except (ValueError, KeyError) as exc:
+            raise Reject(f"reply_stream {req.reply_stream!r}: {exc}") from exc
+        res = await self.generate(req)
+        await self.bus.publish(req.reply_stream, GenerateReply(
+            request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
+            output_ids=res.output_ids, output_logprobs=res.output_logprobs, finish_reason=res.finish_reason,
+            weight_version=res.weight_version, engine=res.engine or self.router_url, prompt_tokens=res.prompt_tokens))
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """The router's answer, retried with backoff; a request the engine rejects is answered with the error
+        and then rejected; a router down for every retry leaves the turn pending (RetryLater)."""
+        sampling = req.sampling.model_dump(exclude={"seed"}) | (
+            {"sampling_seed": req.sampling.seed} if req.sampling.seed is not None else {})
+        for attempt in range(RETRIES):
+            try:
+                async with self.limiter:
+                    res = await self.client.generate(req.input_ids, sampling, rid=req.id)
+                if res.finish_reason == "abort":  # aborted on the engine (e.g. it died): not a trajectory
+                    raise EngineClientError(f"generate {req.id}: aborted: {res.finish_message}")
+                return res
+            except EngineClientError as exc:
+                if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
+                    await self.bus.publish(req.reply_stream, GenerateReply(
+                        request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
+                        output_ids=[], output_logprobs=[], finish_reason="abort", weight_version=-1,
+                        engine=self.router_url, error=str(exc)))
+                    raise Reject(str(exc)) from exc
+                log.warning("generate failed (attempt %d): %s", attempt + 1, exc)
+                await asyncio.sleep(0.2 * 2 ** attempt)
+        raise RetryLater("router unavailable")
+
+    async def on_weights(self, w: WeightsUpdate) -> None:
+        agent, s = self.agent, self.bus.streams
+        if w.agent != agent:
+            raise Reject(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
+        loaded = await self.bus.redis.get(s.loaded_version(agent))
+        if loaded is not None and w.version < int(loaded):  # a redelivered old update never rolls engines back
+            log.warning("version %d arrived after version %s was loaded: skipped", w.version, int(loaded))
+            return
+        if self.fleet is not None:
+            engines = await self.fleet.load_weights(w.path, w.version)
+        else:
+            engines = await list_workers(self.router_url)
+            await asyncio.gather(*(self.client.update_weights(url, w.path, w.version) for url in engines))
+        if not engines:
+            raise RetryLater(f"no engine is up to load version {w.version} on")
+        async with self.bus.redis.pipeline(transaction=True) as pipe:
+            pipe.set(s.loaded_version(agent), w.version)
+            pipe.set(s.loaded_weights(agent), w.model_dump_json())
+            await pipe.execute()
+        await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent, version=w.version,
+                                                       engines=engines, path=w.path))
+        log.info("version %d loaded on %d engine(s)", w.version, len(engines))
+
+    # --- the load report --------------------------------------------------------------
+    async def report_load(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.publish_load()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), LOAD_EVERY_S)
+
+    async def publish_load(self) -> None:
+        s = self.bus.streams
+        depth = 0
+        with contextlib.suppress(Exception):  # the group may not exist yet
+            for g in await self.bus.redis.xinfo_groups(s.turns(self.agent)):
+                if g["name"] in (b"rollout", "rollout"):
+                    depth = int(g.get("lag") or 0) + int(g.get("pending") or 0)
+        engines = [EngineStatus(**e) for e in self.fleet.snapshot()] if self.fleet else []
+        if self.fleet is None:
+            with contextlib.suppress(httpx.HTTPError, RuntimeError):  # an external router may be down a while
+                engines = [EngineStatus(url=u, healthy=True) for u in await list_workers(self.router_url)]
+        await self.bus.publish(s.events, RolloutLoad(
+            source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
+            capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines))
+
+
+async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
+    """A restarted rollout puts its fresh engines on the version the agent had loaded before."""
+    raw = await bus.redis.get(bus.streams.loaded_weights(agent))
+    if raw is None:
+        return
+    try:
+        w = WeightsUpdate.model_validate_json(raw)
+    except ValueError as exc:
+        log.warning("cannot resume the loaded weights (%s): engines start on the base model", exc)
+        return
+    await fleet.load_weights(w.path, w.version)
+    log.info("resumed on version %d", w.version)

@@ -1,0 +1,156 @@
+"""The trainer service: one handler per stream (``on_batch``, ``on_control``) over a training backend.
+
+``on_batch`` takes a batch from ``batches:{agent}``, drops samples already trained on
+(idempotent by sample id), trains one step, writes version k+1 as an HF directory and the
+full training state (``state/v{k+1}``), commits in Redis what was trained (sample ids,
+published version, train log) in one transaction, publishes ``weights:{agent}`` and a
+``train_step`` event, and only then returns (the bus acknowledges the batch).
+
+Resume (``resume``): the Redis commit is the point of no return. On start the trainer loads
+the state of the published version (the latest committed one) and deletes any newer,
+uncommitted state; a batch that was trained but not committed before a crash is redelivered
+(never acknowledged) and trained again from the committed state, so no sample is trained on
+twice. ``TANDEM_TRAINER_FAILPOINT=stage:version`` (stage: after_train, after_state,
+after_commit) kills the process with SIGKILL at that point — the resume test's crash injection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+from services.common.bus import Bus, Reject
+from services.contracts.config import TandemConfig
+from services.contracts.messages import Batch, Control, Sample, TrainStep, WeightsUpdate
+from services.training.backends import Policy
+
+KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
+
+
+def failpoint(stage: str, version: int) -> None:
+    if os.environ.get("TANDEM_TRAINER_FAILPOINT") == f"{stage}:{version}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def state_versions(state_root: Path) -> list[int]:
+    return sorted(int(p.name[1:]) for p in state_root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+
+
+def tidy_states(state_root: Path, committed: int) -> None:
+    """Remove uncommitted states (newer than ``committed``, or half-written) and all but the newest kept ones."""
+    for p in state_root.glob("v*.tmp*"):
+        shutil.rmtree(p, ignore_errors=True)
+    versions = state_versions(state_root)
+    kept = [v for v in versions if v <= committed][-KEEP_STATES:]
+    for v in versions:
+        if v not in kept:
+            shutil.rmtree(state_root / f"v{v:05d}", ignore_errors=True)
+
+
+class TrainerService:
+    """One agent's trainer. Build it, ``await resume()``, then wire ``on_batch`` and ``on_control``."""
+
+    def __init__(self, cfg: TandemConfig, agent: str, bus: Bus, policy: Policy) -> None:
+        self.cfg, self.agent, self.bus, self.policy = cfg, agent, bus, policy
+        self.log = logging.getLogger(f"tandem.trainer.{agent}")
+        self.ckpt_dir = Path(cfg.run.checkpoint_root) / cfg.run.name / agent
+        self.state_root = self.ckpt_dir / "state"
+        self.version = 0
+        self.busy = asyncio.Lock()  # one policy operation at a time (a step, or a checkpoint command)
+
+    def state_dir(self, version: int) -> Path:
+        return self.state_root / f"v{version:05d}"
+
+    async def resume(self) -> None:
+        """Start from the published version's training state (or save version 0's, what a failed step rolls
+        back to). Raises RuntimeError when the published version's state is missing."""
+        s = self.bus.streams
+        self.version = int(await self.bus.redis.get(s.published_version(self.agent)) or 0)
+        await asyncio.to_thread(tidy_states, self.state_root, self.version)
+        if self.version:
+            start = self.state_dir(self.version)
+            if not start.is_dir():
+                raise RuntimeError(f"version {self.version} is published but its training state {start} is "
+                                   "missing; cannot resume")
+            await asyncio.to_thread(self.policy.load_state, start)
+        else:
+            await asyncio.to_thread(self.policy.save_state, self.state_dir(0), 0)
+
+    # --- handlers ---------------------------------------------------------------------
+    async def on_batch(self, batch: Batch) -> None:
+        agent, s = self.agent, self.bus.streams
+        wrong = [x.agent for x in batch.samples if x.agent != agent] + ([batch.agent] if batch.agent != agent else [])
+        if wrong:
+            raise Reject(f"batch for agent {batch.agent!r} holds samples of {sorted(set(wrong))}; "
+                             f"this trainer trains {agent!r}")
+        seen = await self.bus.redis.smismember(s.trained_samples(agent), [x.id for x in batch.samples])
+        fresh = [x for x, done in zip(batch.samples, seen, strict=True) if not done]
+        if not fresh:  # a redelivery: re-announce the version it produced (a crash may have lost it)
+            for raw in await self.bus.redis.lrange(s.train_log(agent), 0, -1):
+                rec = json.loads(raw)
+                if rec["batch_id"] == batch.id:
+                    await self.announce(rec)
+            self.log.info("batch %s already trained; skipping", batch.id)
+            return
+        async with self.busy:
+            await self.train(batch, fresh)
+
+    async def on_control(self, cmd: Control) -> None:
+        if cmd.command == "checkpoint":  # every version's state is saved anyway; re-write the current one
+            async with self.busy:
+                path = await asyncio.to_thread(self.policy.save_state, self.state_dir(self.version), self.version)
+            self.log.info("trainer state (weights, optimizer, scheduler, RNG, version %d) at %s", self.version, path)
+
+    # --- one step ---------------------------------------------------------------------
+    async def train(self, batch: Batch, fresh: list[Sample]) -> None:
+        new_version = self.version + 1
+        try:
+            metrics = await asyncio.to_thread(self.policy.train_step, fresh)
+            failpoint("after_train", new_version)
+            path, checksum = await asyncio.to_thread(self.policy.save, self.ckpt_dir / f"v{new_version:05d}")
+            await asyncio.to_thread(self.policy.save_state, self.state_dir(new_version), new_version)
+            failpoint("after_state", new_version)
+            record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
+                      "path": str(path.resolve()), "checksum": checksum,
+                      "engines": sorted({e for x in fresh for e in x.engines}),
+                      "min_weight_version": min(x.min_weight_version for x in fresh),
+                      "metrics": {**metrics, "version": new_version, "batch_step": batch.step}}
+            await self.commit(fresh, record)
+        except BaseException:
+            self.log.warning("step %d failed before its commit; rolling back to version %d", new_version,
+                             self.version)
+            await asyncio.to_thread(self.policy.load_state, self.state_dir(self.version))
+            raise
+        self.version = new_version
+        failpoint("after_commit", new_version)
+        await asyncio.to_thread(tidy_states, self.state_root, new_version)
+        await self.announce(record)
+        self.log.info("step %d: reward %.3f loss %.4f clip %.3f (%d samples, %.2fs)", new_version,
+                      metrics["reward_mean"], metrics.get("loss", 0.0), metrics["clip_frac"], len(fresh),
+                      metrics["train_seconds"])
+
+    async def commit(self, fresh: list[Sample], record: dict[str, Any]) -> None:
+        """The point of no return: what was trained, the published version and the log, in one transaction."""
+        s = self.bus.streams
+        async with self.bus.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(s.trained_samples(self.agent), *[x.id for x in fresh])
+            pipe.set(s.published_version(self.agent), record["version"])
+            pipe.rpush(s.train_log(self.agent), json.dumps(record))
+            await pipe.execute()
+
+    async def announce(self, rec: dict[str, Any]) -> None:
+        """Publish a committed version: its weights, then its train_step event (kept once per version)."""
+        s = self.bus.streams
+        await self.bus.publish(s.weights(self.agent), WeightsUpdate(agent=self.agent, version=rec["version"],
+                                                                    path=rec["path"], checksum=rec["checksum"]))
+        if "metrics" in rec:
+            metrics = {k: v for k, v in rec["metrics"].items() if k not in ("version", "batch_step")}
+            await self.bus.publish(s.events, TrainStep(source=self.bus.service, agent=self.agent,
+                                                       version=rec["version"], batch_step=rec["metrics"]["batch_step"],
+                                                       metrics=metrics))

@@ -1,0 +1,92 @@
+"""The training step every backend runs, written once (the algorithm contract in ``services.training.algorithms``).
+
+``TrainingStep.train_step`` plans the step with the algorithm, pads each minibatch, takes the
+no-grad proximal and reference logprobs the algorithm asks for, then per epoch and minibatch:
+zero the grads, forward + loss + backward (``backward``), clip (``clip_grads``), step the
+optimizer and the LR scheduler; it counts the version up and returns the ``train_step``
+metrics. A backend supplies the model-specific parts as the hooks below.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from services.contracts.config import AlgorithmConfig
+from services.contracts.messages import Sample
+from services.training.algorithms import Algorithm, Stats, StepPlan, step_metrics
+
+Tensors = dict[str, torch.Tensor]
+
+
+def pad_batch(samples: list[Sample], pad_id: int) -> Tensors:
+    """Right-padded tensors; targets are tokens shifted by one."""
+    t = max(len(s.tokens) for s in samples)
+    b = len(samples)
+    tokens = torch.full((b, t), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.float32)
+    old = torch.zeros((b, t), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        tokens[i, :n] = torch.tensor(s.tokens)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        old[i, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return {"input_ids": tokens, "attention_mask": attn, "targets": tokens[:, 1:],
+            "mask": mask[:, 1:], "old_logp": old[:, 1:]}
+
+
+class TrainingStep(ABC):
+    """The step skeleton; subclasses set the attributes below in ``__init__`` and implement the hooks."""
+
+    backend: str  # the name reported in the metrics ("torch", "megatron")
+    algo: Algorithm
+    cfg: AlgorithmConfig
+    version: int
+    pad_id: int
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def rows(self, minibatch: list[int]) -> list[int]:
+        """The rows of a minibatch this process trains on (all of them, unless data-parallel)."""
+        return minibatch
+
+    @abstractmethod
+    def old_logprobs(self, batch: Tensors, reference: bool) -> torch.Tensor:
+        """No-grad logprobs of the batch's targets under the current weights, or the frozen reference."""
+
+    @abstractmethod
+    def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
+                 ref: torch.Tensor | None) -> Stats:
+        """Forward with grad, the algorithm's loss on ``rows`` of the plan, backward; return the loss stats."""
+
+    @abstractmethod
+    def clip_grads(self) -> float:
+        """Clip the gradients to ``cfg.max_grad_norm``; return the norm before clipping."""
+
+    def train_step(self, samples: list[Sample]) -> dict[str, Any]:
+        start = time.perf_counter()
+        plan = self.algo.prepare(samples, self.version)
+        rows = [self.rows(mb) for mb in plan.minibatches]
+        batches = [pad_batch([plan.samples[i] for i in r], self.pad_id) for r in rows]
+        none: list[torch.Tensor | None] = [None] * len(batches)
+        with torch.no_grad():
+            prox = [self.old_logprobs(b, reference=False) for b in batches] if self.algo.needs_prox(plan) else none
+            ref = [self.old_logprobs(b, reference=True) for b in batches] if self.algo.needs_reference else none
+        parts: list[Stats] = []
+        grad_norms: list[float] = []
+        for _ in range(self.cfg.epochs if batches else 0):
+            for k, r in enumerate(rows):
+                self.optimizer.zero_grad(set_to_none=True)
+                stats = self.backward(batches[k], plan, r, prox[k], ref[k])
+                grad_norms.append(self.clip_grads())
+                self.optimizer.step()
+                self.scheduler.step()
+                parts.append(stats)
+        self.version += 1
+        return step_metrics(parts, samples, plan, self.cfg, self.backend, self.scheduler.get_last_lr()[0],
+                            grad_norms, time.perf_counter() - start)
