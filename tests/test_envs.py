@@ -329,7 +329,8 @@ def test_eval_opponent_per_role_and_scripted_roles_are_checked() -> None:
                               eval={"opponent": "evidence"})
     with pytest.raises(ValueError, match="environment.roles.judge: scripted player 'oracle'"):
         check_environment_config(judge)
-    wrong_role = judge.model_copy(update={"roles": {"pro": "A", "con": "B", "judge": "scripted:evidence"}})
+    wrong_role = EnvironmentConfig.model_validate(
+        {**judge.model_dump(), "roles": {"pro": "A", "con": "B", "judge": "scripted:evidence"}})
     with pytest.raises(ValueError, match="environment.roles.judge: scripted player 'evidence' cannot play 'judge'"):
         check_environment_config(wrong_role)
     asker = EnvironmentConfig(name="twenty_questions", roles={"asker": "A", "answerer": "B"},

@@ -19,13 +19,14 @@ import yaml
 
 from services.common.bus import Bus
 from services.contracts.config import ConfigError, parse_config
-from services.coordinator.episode import play_episode
-from services.coordinator.evaluation import eval_roles, outcome
-from services.coordinator.local_policy import POLICY, LocalPolicies
+from services.contracts.players import AgentPlayer, Local, Pool, Scripted, parse_player
 from services.coordinator.scheduler import Coordinator
 from services.envs.guess_number import GuessNumber
 from services.envs.registry import check_environment_config, load_environment
 from services.envs.tictactoe import TicTacToe
+from services.play.episode import play_episode
+from services.play.evaluation import eval_roles, outcome
+from services.play.local import LocalPlayers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,18 @@ def test_role_players_are_checked_at_start(roles: dict, agents: dict | None, mes
 def test_valid_player_kinds(roles: dict) -> None:
     agents = {"A": {"model_path": "m"}, "B": {"model_path": "m", "train": "B" in roles.values()}}
     cfg = parse_config(config(roles, agents))
-    assert cfg.environment.roles == roles
+    assert {r: str(p) for r, p in cfg.environment.roles.items()} == roles  # the YAML's strings, typed
+    assert cfg.environment.roles == {r: parse_player(p) for r, p in roles.items()}
+    assert parse_config(cfg.model_dump()).environment.roles == cfg.environment.roles  # dumps as the YAML form
+
+
+def test_players_are_typed_once() -> None:
+    assert parse_player("A") == AgentPlayer(agent="A")
+    assert parse_player("scripted:random") == Scripted(name="random")
+    assert parse_player("pool:A") == Pool(agent="A")
+    for bad in ("bot:minimax", "scripted:", "pool:", "", 3):
+        with pytest.raises(ValueError, match="is not an agent name"):
+            parse_player(bad)
 
 
 def test_frozen_agent_is_not_tracked_and_eval_roles(redis_url: str, tiny_model_dir: Path) -> None:
@@ -65,7 +77,7 @@ def test_frozen_agent_is_not_tracked_and_eval_roles(redis_url: str, tiny_model_d
     cfg = parse_config({**config({"X": "A", "O": "B"}, agents), "redis_url": redis_url})
     coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
     assert set(coord.state.agents) == {"A"}  # B is frozen: no versions to wait for, no groups to count
-    assert coord.trained({"X": "A", "O": "B"}) == {"A"}
+    assert coord.trained({"X": AgentPlayer(agent="A"), "O": AgentPlayer(agent="B")}) == {"A"}
     assert eval_roles(cfg.environment, TicTacToe, "A") == ["X"]
     asyncio.run(coord.bus.close())
 
@@ -75,41 +87,44 @@ def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path)
     cfg = parse_config({**config({"X": "A", "O": "pool:A"}, {"A": {"model_path": m}}, alternate_roles=True,
                                  pool_size=2), "redis_url": redis_url})
     coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
-    assert coord.resolve_pool({"X": "A", "O": "pool:A"}) == {"X": "A", "O": POLICY + m}  # only version 0 yet
+    a, pool = AgentPlayer(agent="A"), Pool(agent="A")
+    assert coord.resolve_pool({"X": a, "O": pool}) == {"X": a, "O": Local(path=m, agent="A")}  # only version 0 yet
     from services.contracts.messages import WeightsLoaded
 
     for v in (1, 2, 3):
         asyncio.run(coord.on_event(WeightsLoaded(source="rollout", agent="A", version=v, path=f"/ckpt/v{v}",
                                                  engines=[])))
-    drawn = {coord.resolve_pool({"X": "A", "O": "pool:A"})["O"] for _ in range(50)}
-    assert drawn == {POLICY + "/ckpt/v2", POLICY + "/ckpt/v3"}  # the last pool_size versions
-    assert coord.roles_for_group(1) == {"X": "pool:A", "O": "A"}  # sides alternate; the pool follows
+    drawn = {coord.resolve_pool({"X": a, "O": pool})["O"] for _ in range(50)}
+    # the last pool_size versions, each knowing its owner from its type
+    assert drawn == {Local(path="/ckpt/v2", agent="A"), Local(path="/ckpt/v3", agent="A")}
+    assert coord.roles_for_group(1) == {"X": pool, "O": a}  # sides alternate; the pool follows
     assert coord.trained(coord.resolve_pool(coord.roles_for_group(1))) == {"A"}
-    assert coord.sampling_for({"O": POLICY + "/ckpt/v2"})[POLICY + "/ckpt/v2"] == cfg.agents["A"].sampling
+    v2 = Local(path="/ckpt/v2", agent="A")
+    assert coord.sampling_for({"O": v2})[v2] == cfg.agents["A"].sampling
     asyncio.run(coord.bus.close())
 
 
 def test_self_play_episode_with_in_process_weights(tiny_model_dir: Path) -> None:
     """One player in both roles: two views, both token-exact; per-turn rewards reach the final ones."""
-    local = LocalPolicies()
-    player = POLICY + str(tiny_model_dir)
+    local = LocalPlayers()
+    player = Local(path=str(tiny_model_dir), agent="A")
     tok = local.tokenizer(str(tiny_model_dir))
     from services.contracts.messages import SamplingParams
 
     sampling = {player: SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)}
     result = asyncio.run(play_episode(TicTacToe({}, 1), "e1", "g1", {"X": player, "O": player}, {player: tok},
-                                      sampling, local.generate, "local", "eval", random.Random(1)))
+                                      sampling, local.generate, "eval", random.Random(1)))
     assert set(result.views) == {"X", "O"} and any(result.views["X"].mask)
     for view in result.views.values():  # O has no turn if X's first move was illegal (a random model)
         assert len(view.tokens) == len(view.mask) == len(view.logprobs)
         assert all((lp <= 0) if m else lp == 0 for lp, m in zip(view.logprobs, view.mask, strict=True))
-    assert result.samples({}) == []  # in-process weights are never trained on
+    assert result.samples({}) == [] and result.samples({"A": 1}) == []  # in-process weights are never trained on
     again = asyncio.run(play_episode(TicTacToe({}, 1), "e2", "g1", {"X": player, "O": player}, {player: tok},
-                                     sampling, local.generate, "local", "eval", random.Random(1)))
+                                     sampling, local.generate, "eval", random.Random(1)))
     assert [t["text"] for t in again.transcript] == [t["text"] for t in result.transcript]  # seeded
 
-    gn = asyncio.run(play_episode(GuessNumber({"max_turns": 3}, 0), "e3", "g2", {"guesser": "scripted:random"},
-                                  {}, {}, local.generate, "local", "eval", random.Random(0)))
+    gn = asyncio.run(play_episode(GuessNumber({"max_turns": 3}, 0), "e3", "g2", {"guesser": Scripted(name="random")},
+                                  {}, {}, local.generate, "eval", random.Random(0)))
     costs = sum(t["turn_rewards"].get("guesser", 0.0) for t in gn.transcript)
     final = 1.0 if gn.summary["found"] else 0.0
     assert gn.rewards["guesser"] == pytest.approx(final + costs) and costs < 0
@@ -179,13 +194,13 @@ def test_a_prompt_past_the_context_ends_the_episode_as_truncated(tiny_model_dir:
     from services.contracts.messages import SamplingParams
     from services.envs.textarena_adapter import TextArena
 
-    local = LocalPolicies()
-    player = POLICY + str(tiny_model_dir)
+    local = LocalPlayers()
+    player = Local(path=str(tiny_model_dir), agent="A")
     tok = local.tokenizer(str(tiny_model_dir))
     env = TextArena({"game": "TicTacToe-v0"}, 0)
     first_prompt = len(tok.encode(env.observation("P0")))
-    result = asyncio.run(play_episode(env, "e", "g", {"P0": player, "P1": "scripted:random"}, {player: tok},
-                                      {player: SamplingParams(max_new_tokens=2, seed=1)}, local.generate, "local",
+    result = asyncio.run(play_episode(env, "e", "g", {"P0": player, "P1": Scripted(name="random")}, {player: tok},
+                                      {player: SamplingParams(max_new_tokens=2, seed=1)}, local.generate,
                                       "eval", random.Random(0), {player: first_prompt // 2}))
     assert result.summary["truncated"] and result.rewards == {"P0": 0.0, "P1": 0.0}
     assert result.transcript[-1]["truncated"] and result.views["P0"].tokens == []  # nothing past the limit
@@ -201,8 +216,8 @@ class NanReward(GuessNumber):
 
 def test_a_non_finite_reward_abandons_the_episode_and_never_reaches_a_sample() -> None:
     with pytest.raises(ValueError, match="non-finite rewards"):
-        asyncio.run(play_episode(NanReward({"max_turns": 3}, 0), "e4", "g3", {"guesser": "scripted:random"},
-                                 {}, {}, None, "local", "eval", random.Random(0)))
+        asyncio.run(play_episode(NanReward({"max_turns": 3}, 0), "e4", "g3", {"guesser": Scripted(name="random")},
+                                 {}, {}, None, "eval", random.Random(0)))
 
 
 def test_alternating_roles_may_not_rotate_a_scripted_player_into_a_role_it_cannot_play() -> None:

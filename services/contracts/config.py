@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.contracts.messages import SamplingParams
+from services.contracts.players import PLAYER_FORMS, AgentPlayer, Player, Pool, Scripted, parse_player
 
 PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # the trainer's registry (services/training/algorithms) holds exactly these; plug-ins: package.module:Class
@@ -143,9 +144,9 @@ class EnvironmentConfig(Strict):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
     group_size: int = Field(8, ge=1)
-    roles: dict[str, str] = Field(description="environment role -> player: an agent name, "
-                                  "'scripted:<player>' (the env's scripted player) or 'pool:<agent>' "
-                                  "(a past weight version of that agent, played in the coordinator)")
+    roles: dict[str, Player] = Field(description="environment role -> player: an agent name, "
+                                     "'scripted:<player>' (the env's scripted player) or 'pool:<agent>' "
+                                     "(a past weight version of that agent, played in the coordinator)")
     alternate_roles: bool = Field(False, description="rotate the role->agent map every group")
     pool_size: int = Field(4, ge=1, description="'pool:<agent>' draws from that agent's last pool_size versions")
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -156,6 +157,24 @@ class EnvironmentConfig(Strict):
         if ":" in v and not PLUGIN_PATH.match(v):
             raise ValueError(f"{v!r} is not a plug-in path of the form package.module:Class")
         return v
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _players(cls, v: Any) -> Any:
+        """The YAML's player strings, parsed once into typed players (services/contracts/players.py)."""
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for role, player in v.items():
+            try:
+                out[role] = parse_player(player)
+            except ValueError:
+                raise ValueError(f"environment.roles.{role}: {player!r} is not {PLAYER_FORMS}") from None
+        return out
+
+    def scripted(self) -> dict[str, Scripted]:
+        """The roles the config gives a scripted player (they keep it in evaluation: a rule-based judge)."""
+        return {r: p for r, p in self.roles.items() if isinstance(p, Scripted)}
 
 
 class RunConfig(Strict):
@@ -193,19 +212,15 @@ class TandemConfig(Strict):
     @model_validator(mode="after")
     def _roles_name_agents(self) -> TandemConfig:
         for role, player in self.environment.roles.items():
-            kind, _, rest = player.partition(":") if ":" in player else ("agent", "", player)
-            if kind not in ("agent", "scripted", "pool") or not rest:
-                raise ValueError(f"environment.roles.{role}: {player!r} is not an agent name, "
-                                 "'scripted:<player>' or 'pool:<agent>'")
-            if kind != "scripted" and rest not in self.agents:
-                raise ValueError(f"environment.roles.{role} names agent {rest!r}, "
+            if isinstance(player, AgentPlayer | Pool) and player.agent not in self.agents:
+                raise ValueError(f"environment.roles.{role} names agent {player.agent!r}, "
                                  f"which is not under agents ({', '.join(self.agents)})")
         if not any(a.train for a in self.agents.values()):
             raise ValueError("agents: every agent has train: false; at least one must train")
-        trained_in_roles = [p for p in self.environment.roles.values() if p in self.agents and self.agents[p].train]
-        if not trained_in_roles:
+        playing = {p.agent for p in self.environment.roles.values() if isinstance(p, AgentPlayer)}
+        if not any(self.agents[a].train for a in playing):
             raise ValueError("environment.roles: no role is played by an agent that trains")
-        idle = [n for n, a in self.agents.items() if a.train and n not in self.environment.roles.values()]
+        idle = [n for n, a in self.agents.items() if a.train and n not in playing]
         if idle:
             raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment.roles "
                              "(set train: false or give it a role)")

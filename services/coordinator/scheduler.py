@@ -22,11 +22,12 @@ from transformers import AutoTokenizer
 from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
-from services.coordinator.episode import EpisodeResult, play_episode
-from services.coordinator.evaluation import eval_roles, evaluate_player
-from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
+from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
 from services.coordinator.state import RunState
 from services.envs.registry import check_environment_config
+from services.play.episode import EpisodeResult, play_episode
+from services.play.evaluation import eval_roles, evaluate_player
+from services.play.local import LocalPlayers, context_length
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -48,7 +49,7 @@ class Coordinator:
         self.env_cls = check_environment_config(cfg.environment)
         self.tokenizers: dict[str, Any] = {a: AutoTokenizer.from_pretrained(c.model_path)
                                            for a, c in cfg.agents.items()}
-        self.local = LocalPolicies()
+        self.local = LocalPlayers()
         self.context: dict[str, int] = {a: context_length(c.model_path) for a, c in cfg.agents.items()}
         # opponent pool: each agent's weight versions as they load (version 0 is the start model)
         self.versions: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
@@ -69,9 +70,10 @@ class Coordinator:
         async with self.changed:
             self.changed.notify_all()
 
-    async def generate(self, req: GenerateRequest) -> GenerateReply:
-        if req.agent.startswith(POLICY):
-            return await self.local.generate(req)
+    async def generate(self, player: Player, req: GenerateRequest) -> GenerateReply:
+        if isinstance(player, Local):
+            return await self.local.generate(player, req)
+        req = req.model_copy(update={"reply_stream": self.reply_stream})
         fut: asyncio.Future[GenerateReply] = asyncio.get_running_loop().create_future()
         self.pending[req.id] = fut
         try:
@@ -134,17 +136,20 @@ class Coordinator:
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
 
-    async def _play(self, env: Any, group_id: str, roles: dict[str, str], purpose: str,
-                    sampling: dict[str, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
+    async def _play(self, env: Any, group_id: str, roles: dict[str, Player], purpose: str,
+                    sampling: dict[Player, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
         async with self.slots:
             try:
-                for player in roles.values():  # a pool version seen for the first time: read it off the loop
-                    if player.startswith(POLICY) and player not in self.tokenizers:
-                        path = player[len(POLICY):]
-                        self.context[player] = await asyncio.to_thread(context_length, path)
-                        self.tokenizers[player] = await asyncio.to_thread(self.local.tokenizer, path)
-                result = await play_episode(env, new_id(), group_id, roles, self.tokenizers, sampling,
-                                            self.generate, self.reply_stream, purpose, rng, self.context)
+                tokenizers: dict[Player, Any] = {}
+                context: dict[Player, int] = {}
+                for p in set(roles.values()):
+                    if isinstance(p, AgentPlayer):
+                        tokenizers[p], context[p] = self.tokenizers[p.agent], self.context[p.agent]
+                    elif isinstance(p, Local):  # a pool version seen for the first time: read it off the loop
+                        tokenizers[p] = await asyncio.to_thread(self.local.tokenizer, p.path)
+                        context[p] = await asyncio.to_thread(self.local.context_length, p.path)
+                result = await play_episode(env, new_id(), group_id, roles, tokenizers, sampling,
+                                            self.generate, purpose, rng, context)
             except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
                 log.warning("episode of group %s abandoned: %r", group_id, exc)
                 return None
@@ -152,7 +157,7 @@ class Coordinator:
         return result
 
     # --- training groups ----------------------------------------------------
-    def roles_for_group(self, index: int) -> dict[str, str]:
+    def roles_for_group(self, index: int) -> dict[str, Player]:
         env_cfg = self.cfg.environment
         roles = list(env_cfg.roles)
         agents = [env_cfg.roles[r] for r in roles]
@@ -161,25 +166,25 @@ class Coordinator:
             agents = agents[k:] + agents[:k]
         return dict(zip(roles, agents, strict=True))
 
-    def resolve_pool(self, roles: dict[str, str]) -> dict[str, str]:
-        """``pool:<agent>`` becomes one of that agent's last ``pool_size`` versions, drawn per group."""
-        out = {}
+    def resolve_pool(self, roles: dict[str, Player]) -> dict[str, Player]:
+        """A ``Pool`` player becomes one of its agent's last ``pool_size`` versions, drawn per group."""
+        out: dict[str, Player] = {}
         for role, player in roles.items():
-            if player.startswith("pool:"):
-                recent = self.versions[player[len("pool:"):]][-self.cfg.environment.pool_size:]
-                player = POLICY + self.pool_rng.choice(recent)
+            if isinstance(player, Pool):
+                recent = self.versions[player.agent][-self.cfg.environment.pool_size:]
+                player = Local(path=self.pool_rng.choice(recent), agent=player.agent)
             out[role] = player
         return out
 
-    def trained(self, roles: dict[str, str]) -> set[str]:
+    def trained(self, roles: dict[str, Player]) -> set[str]:
         """The agents that train on a group played with ``roles``."""
-        return {p for p in roles.values() if p in self.state.agents}
+        return {p.agent for p in roles.values() if isinstance(p, AgentPlayer) and p.agent in self.state.agents}
 
-    def may_launch(self, roles: dict[str, str]) -> bool:
+    def may_launch(self, roles: dict[str, Player]) -> bool:
         wanting = [self.state.agents[a] for a in self.trained(roles) if self.state.agents[a].wants_groups()]
         return bool(wanting) and not any(a.blocked_by_staleness() for a in wanting)
 
-    async def run_group(self, index: int, roles: dict[str, str]) -> None:
+    async def run_group(self, index: int, roles: dict[str, Player]) -> None:
         env_cfg = self.cfg.environment
         group_id = f"g{index:06d}-{new_id()[:8]}"
         agents = self.trained(roles)
@@ -247,11 +252,12 @@ class Coordinator:
         env_cfg = self.cfg.environment
         ev = env_cfg.eval
 
-        async def play(env: Any, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
+        async def play(env: Any, gid: str, mapping: dict[str, Player], sampling: dict[Player, SamplingParams],
                        rng: random.Random) -> EpisodeResult | None:
             return await self._play(env, f"{gid}-{agent}", mapping, "eval", sampling, rng)
 
-        return await evaluate_player(self.env_cls, env_cfg, agent, eval_roles(env_cfg, self.env_cls, agent),
+        return await evaluate_player(self.env_cls, env_cfg, AgentPlayer(agent=agent),
+                                     eval_roles(env_cfg, self.env_cls, agent),
                                      ev.opponent, ev.episodes, self.cfg.agents[agent].sampling, ev.temperature,
                                      play)
 
@@ -266,17 +272,9 @@ class Coordinator:
                                         for a, r in zip(names, reports, strict=True)})
         return out
 
-    def sampling_for(self, roles: dict[str, str]) -> dict[str, SamplingParams]:
-        """Sampling per player; an in-process past version samples like the agent it came from."""
-        out = {a: c.sampling for a, c in self.cfg.agents.items()}
-        for player in roles.values():
-            if player.startswith(POLICY):
-                out[player] = self.cfg.agents[self._pool_owner(player)].sampling
-        return out
-
-    def _pool_owner(self, player: str) -> str:
-        path = player[len(POLICY):]
-        return next((a for a, vs in self.versions.items() if path in vs), next(iter(self.cfg.agents)))
+    def sampling_for(self, roles: dict[str, Player]) -> dict[Player, SamplingParams]:
+        """Sampling per model player; an in-process past version samples like the agent it came from."""
+        return {p: self.cfg.agents[p.agent].sampling for p in roles.values() if not isinstance(p, Scripted | Pool)}
 
     # --- the run ------------------------------------------------------------
     async def wait_for_engines(self, timeout: float = ENGINE_WAIT_S) -> None:  # noqa: ASYNC109 (gives up, logs)

@@ -10,9 +10,9 @@ a random player, without its sampling noise), the target after it is eos. The
 result plays legal moves, uniformly at random: the starting point the RL demo
 then improves on.
 
-It also holds the small in-process player used to measure that (and by
-``tests/bench/rl_sweep.py``): batched sampling from the model with the logprob of
-each sampled token as ``log_softmax(logits / T)``, the same as the engine.
+It is measured (and ``tests/bench/rl_sweep.py`` measures its agents) with
+services/play's held-out evaluation on an in-process engine: the same episode
+loop, renderer and sampler as a run.
 
 CLI: ``python -m services.demo.warmstart OUT_DIR [--seed N] [--games N] [--epochs N]``.
 """
@@ -24,7 +24,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -32,9 +32,17 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.contracts.config import EnvironmentConfig
+from services.contracts.messages import SamplingParams
+from services.contracts.players import AgentPlayer, Player
 from services.demo.tiny_model import create_tiny_model
-from services.envs.render import close_assistant_turn, render_user_turn
+from services.envs.base import Environment
+from services.envs.render import render_user_turn
 from services.envs.tictactoe import TicTacToe, legal_cells
+from services.inference.generator import Engine
+from services.play.episode import EpisodeResult
+from services.play.evaluation import play_eval, score
+from services.play.local import EnginePlayers
 
 DEFAULT_HIDDEN = 64
 DEFAULT_LAYERS = 2
@@ -133,164 +141,39 @@ def legal_mass(model: Any, examples: list[Example], pad_id: int, batch_size: int
     return float(torch.cat(masses).mean())
 
 
-# ---------------------------------------------------------------- in-process player
+# ---------------------------------------------------------------- evaluation
 
 
-@torch.no_grad()
-def generate(model: Any, prompts: list[list[int]], eos: int, pad_id: int, temperature: float,
-             generator: torch.Generator, max_new_tokens: int = MAX_NEW_TOKENS,
-             ) -> list[tuple[list[int], list[float]]]:
-    """Sample a reply for each prompt (left-padded batch, no KV cache: the views are short).
+async def score_vs_scripted(players: EnginePlayers, agent: str, games: int, temperature: float,
+                            opponent: str = "random", max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, float]:
+    """Score of ``agent`` vs a scripted player (win 1, draw .5, loss or illegal 0), half the games as each
+    side, played through services/play's held-out evaluation; plus its legal-move rate."""
+    env_cfg = EnvironmentConfig(name="tictactoe", roles={"X": agent, "O": agent}, alternate_roles=True)
+    player = AgentPlayer(agent=agent)
 
-    Returns (output_ids, output_logprobs) per prompt, stopping after eos; the
-    logprob is log_softmax(logits / T) of the sampled token (T = 0: greedy,
-    logprob under T = 1).
-    """
-    n = len(prompts)
-    outs: list[list[int]] = [[] for _ in range(n)]
-    logps: list[list[float]] = [[] for _ in range(n)]
-    seqs = [list(p) for p in prompts]
-    active = list(range(n))
-    for _ in range(max_new_tokens):
-        if not active:
-            break
-        t = max(len(seqs[i]) for i in active)
-        ids = torch.full((len(active), t), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(active), t), dtype=torch.long)
-        for row, i in enumerate(active):
-            ids[row, t - len(seqs[i]):] = torch.tensor(seqs[i])
-            attn[row, t - len(seqs[i]):] = 1
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1].float()
-        if temperature > 0:
-            lp = torch.log_softmax(logits / temperature, dim=-1)
-            tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
-        else:
-            lp = torch.log_softmax(logits, dim=-1)
-            tok = lp.argmax(-1)
-        chosen = lp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        still = []
-        for row, i in enumerate(active):
-            tid = int(tok[row])
-            outs[i].append(tid)
-            logps[i].append(float(chosen[row]))
-            seqs[i].append(tid)
-            if tid != eos:
-                still.append(i)
-        active = still
-    return list(zip(outs, logps, strict=True))
+    async def play(env: Environment, gid: str, roles: dict[str, Player], sampling: dict[Player, SamplingParams],
+                   rng: random.Random) -> EpisodeResult:
+        return await players.play(env, gid, gid, roles, sampling, "eval", rng)
+
+    results = await play_eval(TicTacToe, env_cfg, player, ["X", "O"], opponent, games,
+                              SamplingParams(max_new_tokens=max_new_tokens), temperature, play)
+    scores = score(results, ["X", "O"], opponent)
+    moves = sum(len(r.views[mine].versions) for mine, r in results)
+    illegal = sum(1 for mine, r in results if r.summary.get("illegal") and r.transcript[-1]["role"] == mine)
+    return {"score": scores["score"], "score_X": scores["per_role"]["X"], "score_O": scores["per_role"]["O"],
+            "legal_rate": 1.0 - illegal / max(moves, 1), "illegal_games": illegal / games}
 
 
-@dataclass
-class ModelPlayer:
-    """A model that plays in-process; ``version`` is recorded per generated turn."""
-
-    name: str
-    model: Any
-    tokenizer: Any
-    version: int = 0
-
-
-@dataclass
-class View:
-    """One role's token-exact view: what a Sample is built from."""
-
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def add(self, ids: list[int], generated: bool, logprobs: list[float] | None = None) -> None:
-        self.tokens += ids
-        self.loss_mask += [1 if generated else 0] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-
-@dataclass
-class Episode:
-    env: TicTacToe
-    players: dict[str, ModelPlayer | str]  # role -> model, or a scripted player's name
-    views: dict[str, View] = field(default_factory=dict)
-    rewards: dict[str, float] = field(default_factory=dict)
-    illegal_by: str | None = None
-    done: bool = False
-
-    def __post_init__(self) -> None:
-        self.views = {role: View() for role, p in self.players.items() if isinstance(p, ModelPlayer)}
-
-
-def play_episodes(episodes: list[Episode], temperature: float, generator: torch.Generator,
-                  rng: random.Random, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
-    """Play all episodes to the end, batching each model's turns across episodes."""
-    loop = asyncio.new_event_loop()
-
-    def apply(ep: Episode, role: str, reply: str) -> None:
-        result = loop.run_until_complete(ep.env.step(role, reply))
-        if result.done:
-            ep.done = True
-            ep.rewards = dict(result.rewards)
-            if "illegal" in result.info:
-                ep.illegal_by = role
-
+def eval_model(model_dir: str | Path, games: int, temperature: float, opponent: str = "random",
+               ) -> dict[str, float]:
+    """``score_vs_scripted`` of the model saved in ``model_dir``, on an in-process engine."""
+    threads = torch.get_num_threads()
+    players = EnginePlayers({"warmstart": Engine(model_dir)})
+    torch.set_num_threads(threads)  # the engine asks for one thread; leave the caller's setting alone
     try:
-        while True:
-            pending = [ep for ep in episodes if not ep.done]
-            if not pending:
-                break
-            by_model: dict[str, list[tuple[Episode, str]]] = {}
-            models: dict[str, ModelPlayer] = {}
-            for ep in pending:
-                role = ep.env.current_role()
-                player = ep.players[role]
-                if isinstance(player, ModelPlayer):
-                    by_model.setdefault(player.name, []).append((ep, role))
-                    models[player.name] = player
-                else:
-                    apply(ep, role, ep.env.scripted_reply(role, player, rng))
-            for name, turns in by_model.items():
-                mp = models[name]
-                tok = mp.tokenizer
-                prompts = []
-                for ep, role in turns:
-                    ep.views[role].add(user_turn(tok, ep.env.observation(role)), generated=False)
-                    prompts.append(ep.views[role].tokens)
-                replies = generate(mp.model, prompts, tok.eos_token_id, tok.pad_token_id, temperature,
-                                   generator, max_new_tokens)
-                for (ep, role), (ids, lps) in zip(turns, replies, strict=True):
-                    view = ep.views[role]
-                    view.add(ids, generated=True, logprobs=lps)
-                    view.add(close_assistant_turn(tok, ids), generated=False)
-                    view.versions.append(mp.version)
-                    apply(ep, role, tok.decode(ids, skip_special_tokens=True))
+        return asyncio.run(score_vs_scripted(players, "warmstart", games, temperature, opponent))
     finally:
-        loop.close()
-
-
-def eval_vs_scripted(player: ModelPlayer, games: int, temperature: float, seed: int,
-                     opponent: str = "random") -> dict[str, float]:
-    """Score vs a scripted player (win 1, draw .5, loss or illegal 0), half the games as each side."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    episodes = []
-    for i in range(games):
-        me, other = ("X", "O") if i % 2 == 0 else ("O", "X")
-        episodes.append(Episode(TicTacToe({}, seed + i), {me: player, other: opponent}))
-    was_training = player.model.training
-    player.model.eval()
-    play_episodes(episodes, temperature, gen, rng)
-    player.model.train(was_training)
-    scores = {"X": [], "O": []}
-    moves = illegal = 0
-    for i, ep in enumerate(episodes):
-        me = "X" if i % 2 == 0 else "O"
-        r = ep.rewards.get(me, 0.0)
-        scores[me].append(0.0 if ep.illegal_by == me else (r + 1.0) / 2.0)
-        moves += len(ep.views[me].versions)
-        illegal += ep.illegal_by == me
-    allscores = scores["X"] + scores["O"]
-    return {"score": sum(allscores) / len(allscores), "score_X": sum(scores["X"]) / len(scores["X"]),
-            "score_O": sum(scores["O"]) / len(scores["O"]), "legal_rate": 1.0 - illegal / max(moves, 1),
-            "illegal_games": illegal / games}
+        players.stop()
 
 
 # ---------------------------------------------------------------- warm-start
@@ -340,7 +223,7 @@ def warmstart(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, ep
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    stats = eval_vs_scripted(ModelPlayer("warmstart", model, tokenizer), eval_games, 1.0, seed + 7)
+    stats = eval_model(out, eval_games, 1.0)
     stats.update({"seconds": time.perf_counter() - start, "examples": len(examples), "hidden": hidden,
                   "layers": layers, "epochs": epochs, "games": games, "seed": seed})
     (out / "warmstart.json").write_text(json.dumps(stats, indent=1))

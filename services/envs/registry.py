@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from services.contracts.config import EnvironmentConfig
+from services.contracts.players import Scripted
 from services.envs.base import Environment, EnvParamError
 from services.envs.params import describe as describe_params
 
@@ -75,19 +76,18 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
     if missing or extra:
         raise ValueError(f"environment.roles: {env_cls.__name__} has roles {list(env_cls.roles)}; "
                          f"missing {missing}, unknown {extra}")
-    for role, player in env_cfg.roles.items():
-        if player.startswith("scripted:"):
-            check_scripted(env_cls, role, player[len("scripted:"):], f"environment.roles.{role}")
+    for role, player in env_cfg.scripted().items():
+        check_scripted(env_cls, role, player.name, f"environment.roles.{role}")
     if env_cfg.alternate_roles:  # the coordinator rotates the whole role -> player map every group
         roles, players = list(env_cfg.roles), list(env_cfg.roles.values())
         for k in range(1, len(players)):
             for role, player in zip(roles, players[k:] + players[:k], strict=True):
-                if player.startswith("scripted:"):
-                    check_scripted(env_cls, role, player[len("scripted:"):],
+                if isinstance(player, Scripted):
+                    check_scripted(env_cls, role, player.name,
                                    f"environment.alternate_roles (rotated, roles.{role} = {player})")
     opponent = env_cfg.eval.opponent
     if env_cfg.eval.episodes:
-        fixed = {r for r, p in env_cfg.roles.items() if p.startswith("scripted:")}  # they keep their player
+        fixed = set(env_cfg.scripted())  # they keep their player
         per_role = opponent if isinstance(opponent, dict) else {r: opponent for r in env_cls.roles if r not in fixed}
         for role, player in per_role.items():
             where = "environment.eval.opponent" + (f".{role}" if isinstance(opponent, dict) else "")

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from services.inference.batch import RunningBatch
+from services.inference.sampling import sample
 
 log = logging.getLogger("tandem.engine")
 _GREEDY_BELOW = 1e-6  # as in SGLang: a lower temperature means greedy, logprobs of T = 1
@@ -355,25 +356,8 @@ class Engine:
         self._leave(finished)
 
     def _sample(self, logits: torch.Tensor, rows: list[GenRequest]) -> tuple[list[int], list[float]]:
-        temps = torch.tensor([r.temperature if r.temperature >= _GREEDY_BELOW else 1.0 for r in rows])
-        greedy = torch.tensor([r.temperature < _GREEDY_BELOW for r in rows])
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        tok = logp.argmax(dim=-1)
-        if not bool(greedy.all()):
-            vocab = logp.shape[-1]
-            sorted_lp, order = logp.sort(dim=-1, descending=True)
-            probs = sorted_lp.exp()
-            ks = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows])
-            top_p = torch.tensor([r.top_p for r in rows])
-            keep = torch.arange(vocab)[None, :] < ks[:, None]
-            keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
-            cdf = (probs * keep).cumsum(dim=-1)
-            u = torch.stack([torch.rand((), generator=r.gen) for r in rows]) * cdf[:, -1]
-            idx = torch.searchsorted(cdf, u[:, None].contiguous(), right=True)
-            idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
-            tok = torch.where(greedy, tok, order.gather(1, idx).squeeze(1))
-        lp = logp.gather(1, tok[:, None]).squeeze(1)
-        return tok.tolist(), lp.tolist()
+        return sample(logits, [r.temperature for r in rows], [r.top_p for r in rows], [r.top_k for r in rows],
+                      [r.gen for r in rows])
 
     def _stop_string(self, r: GenRequest) -> str | None:
         tail = self.tokenizer.decode(r.output_ids[-64:])

@@ -23,13 +23,14 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
                    add_help=False)
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["eval"]:  # the coordinator's evaluation runs it (services do not import each other)
+    if argv[:1] == ["eval"]:  # its own options: services/play/offline_eval.py, run in-process
         import os
-        import subprocess
 
-        env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
-        raise SystemExit(subprocess.call([sys.executable, "-m", "services.coordinator.offline_eval", *argv[1:]],
-                                         env=env))
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        from services.play.offline_eval import main as eval_main
+
+        raise SystemExit(eval_main(argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "envs":
         from services.envs.registry import describe_environments

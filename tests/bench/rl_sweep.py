@@ -1,15 +1,15 @@
 """In-process simulation of Tandem's tic-tac-toe demo, to pick hyperparameters that make RL work.
 
-Two agents A and B, each a ``TorchPolicy`` on its own copy of the warm-started
-model, play each other the way the distributed system will: per step,
-``groups_per_batch`` groups of G games from one start (``make_group``), sides
-alternating per group, moves sampled at temperature 1 with the logprob of each
-sampled token taken as log_softmax(logits / T), each agent's view built turn by
-turn with ``render_user_turn`` plus its generated tokens (plus a loss-masked
-eos when the reply was cut short). Each agent's ``Sample``s go through
-``TorchPolicy.train_step``; both agents are scored against the scripted random
-player (win 1, draw .5, loss or illegal 0; half the games as X, half as O)
-before training and every ``--eval-every`` steps.
+Two agents A and B, each a ``TorchPolicy`` on its own copy of the warm-started model with an
+in-process inference ``Engine`` serving its weights, play each other through services/play, the
+way the distributed system does: per step, ``groups_per_batch`` groups of G games from one start
+(``make_group``), sides alternating per group, every episode played by ``play_episode`` (the
+coordinator's loop, renderer and sampler; moves sampled at temperature 1, each turn seeded).
+Each agent's ``Sample``s (``EpisodeResult.samples``, group sizes counted as the coordinator
+counts them) go through ``TorchPolicy.train_step``; the new weights are saved and loaded into
+the agent's engine as the next version, as the trainer and rollout do. Both agents are scored
+against the scripted random player (services/play's held-out evaluation: win 1, draw .5, loss or
+illegal 0; half the games as X, half as O) before training and every ``--eval-every`` steps.
 
     python tests/bench/rl_sweep.py --model models/demo-ttt --steps 12 --groups 16 --minibatches 2 --seeds 0 1
 """
@@ -17,9 +17,11 @@ before training and every ``--eval-every`` steps.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,92 +31,105 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
 
 from services.contracts.config import AgentConfig, AlgorithmConfig  # noqa: E402
-from services.contracts.messages import Sample  # noqa: E402
-from services.demo.warmstart import Episode, ModelPlayer, eval_vs_scripted, play_episodes  # noqa: E402
+from services.contracts.messages import Sample, SamplingParams  # noqa: E402
+from services.contracts.players import AgentPlayer, Player  # noqa: E402
+from services.demo.warmstart import MAX_NEW_TOKENS, score_vs_scripted  # noqa: E402
 from services.envs.tictactoe import TicTacToe  # noqa: E402
+from services.inference.generator import Engine  # noqa: E402
+from services.play.episode import EpisodeResult  # noqa: E402
+from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
 
+AGENTS = ("A", "B")
 
-def build_samples(episodes: list[Episode], group_ids: list[str], group_size: int, step: int,
-                  ) -> dict[str, list[Sample]]:
-    """One Sample per (episode, trained agent); an agent that never moved (opponent's illegal first move)
-    has nothing to learn from and is skipped, as the coordinator must."""
-    out: dict[str, list[Sample]] = {}
-    for n, (ep, gid) in enumerate(zip(episodes, group_ids, strict=True)):
-        for role, player in ep.players.items():
-            if not isinstance(player, ModelPlayer):
-                continue
-            view = ep.views[role]
-            if not any(view.loss_mask):
-                continue
-            out.setdefault(player.name, []).append(Sample(
-                agent=player.name, role=role, episode_id=f"s{step}-e{n}", group_id=gid,
-                group_size=group_size, tokens=view.tokens, loss_mask=view.loss_mask,
-                rollout_logprobs=view.logprobs, reward=ep.rewards.get(role, 0.0),
-                turn_weight_versions=view.versions or [step]))
+
+async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int, step: int,
+                    ) -> list[tuple[str, EpisodeResult]]:
+    """All groups of one step at once; (group id, result) per episode."""
+    params = {"opening_moves": args.opening_moves} if args.opening_moves else {}
+    a, b = AgentPlayer(agent="A"), AgentPlayer(agent="B")
+    jobs = []
+    for g in range(args.groups):
+        roles: dict[str, Player] = {"X": a, "O": b} if (step * args.groups + g) % 2 == 0 else {"X": b, "O": a}
+        env_seed = seed * 1_000_000 + step * 1000 + g
+        for n, env in enumerate(TicTacToe.make_group(params, env_seed, args.G)):
+            episode_seed = (env_seed * 100 + n) % 2**62
+            sampling: dict[Player, SamplingParams] = {
+                p: SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=episode_seed) for p in (a, b)}
+            gid = f"s{step}-g{g}"
+            jobs.append((gid, players.play(env, f"{gid}-e{n}", gid, roles, sampling, "train",
+                                           random.Random(episode_seed))))
+    results = await asyncio.gather(*(j for _, j in jobs))
+    return [(gid, r) for (gid, _), r in zip(jobs, results, strict=True)]
+
+
+def build_samples(results: list[tuple[str, EpisodeResult]]) -> dict[str, list[Sample]]:
+    """Each group's samples, with the group sizes the coordinator gives them (an agent that never moved,
+    after its opponent's illegal first move, has nothing to learn from and is skipped)."""
+    out: dict[str, list[Sample]] = {a: [] for a in AGENTS}
+    groups: dict[str, list[EpisodeResult]] = {}
+    for gid, r in results:
+        groups.setdefault(gid, []).append(r)
+    for done in groups.values():
+        counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask)) for a in AGENTS}
+        for r in done:
+            for sample in r.samples(counts):
+                out[sample.agent].append(sample)
     return out
 
 
-def evaluate(players: dict[str, ModelPlayer], games: int, temps: list[float], seed: int) -> dict[str, Any]:
-    return {f"{name}@T{t:g}": eval_vs_scripted(p, games, t, seed)
-            for name, p in players.items() for t in temps}
+async def evaluate(players: EnginePlayers, games: int, temps: list[float]) -> dict[str, Any]:
+    return {f"{name}@T{t:g}": await score_vs_scripted(players, name, games, t) for name in AGENTS for t in temps}
 
 
-def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     random.seed(seed)
     torch.manual_seed(seed)
     algo = AlgorithmConfig(lr=args.lr, clip_eps_low=args.clip, clip_eps_high=args.clip_high or args.clip,
                            epochs=args.epochs, minibatches=args.minibatches, max_grad_norm=args.max_grad_norm,
                            normalize_std=not args.no_std)
     policies = {name: TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + i), temperature=1.0)
-                for i, name in enumerate(("A", "B"))}
-    players = {name: ModelPlayer(name, p.model, p.tokenizer, version=0) for name, p in policies.items()}
-    params = {"opening_moves": args.opening_moves} if args.opening_moves else {}
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+                for i, name in enumerate(AGENTS)}
+    threads = torch.get_num_threads()
+    players = EnginePlayers({name: Engine(args.model, weight_version=0) for name in AGENTS})
+    torch.set_num_threads(threads)  # the engines ask for one thread; the trainers keep theirs
     temps = [float(t) for t in args.eval_temps]
     history: list[dict[str, Any]] = []
+    weights = Path(tempfile.mkdtemp(prefix="rl_sweep_"))
 
-    def log_eval(step: int) -> None:
+    async def log_eval(step: int) -> None:
         t0 = time.perf_counter()
-        ev = evaluate(players, args.eval_games, temps, seed=10_000)
+        ev = await evaluate(players, args.eval_games, temps)
         row = {"step": step, "eval_seconds": time.perf_counter() - t0,
                **{k: round(v["score"], 3) for k, v in ev.items()},
                **{f"{k}_legal": round(v["legal_rate"], 3) for k, v in ev.items()}}
         history.append(row)
         print(json.dumps(row), flush=True)
 
-    log_eval(0)
+    await log_eval(0)
     step_times = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        episodes: list[Episode] = []
-        group_ids: list[str] = []
-        for g in range(args.groups):
-            a_role = "X" if (step * args.groups + g) % 2 == 0 else "O"
-            b_role = "O" if a_role == "X" else "X"
-            env_seed = seed * 1_000_000 + step * 1000 + g
-            for env in TicTacToe.make_group(params, env_seed, args.G):
-                episodes.append(Episode(env, {a_role: players["A"], b_role: players["B"]}))
-                group_ids.append(f"s{step}-g{g}")
-        play_episodes(episodes, 1.0, gen, rng)
+        results = await play_step(players, args, seed, step)
         t_gen = time.perf_counter() - t0
-        samples = build_samples(episodes, group_ids, args.G, step)
+        samples = build_samples(results)
         metrics = {}
         for name, policy in policies.items():
-            metrics[name] = policy.train_step(samples.get(name, []))
-            players[name].version = step + 1
+            metrics[name] = policy.train_step(samples[name])
+            path, _ = policy.save(weights / name)
+            await players.engines[name].update_weights(str(path), policy.version)
         t_step = time.perf_counter() - t0
         step_times.append(t_step)
-        a_x = [ep.rewards.get("X", 0.0) for ep in episodes if ep.players["X"] is players["A"]]
-        illegal = sum(ep.illegal_by is not None for ep in episodes) / len(episodes)
+        a_x = [r.rewards.get("X", 0.0) for _, r in results if r.roles["X"] == AgentPlayer(agent="A")]
+        illegal = sum(bool(r.summary.get("illegal")) for _, r in results) / len(results)
         print(json.dumps({
             "step": step + 1, "seconds": round(t_step, 2), "gen_s": round(t_gen, 2),
             "A_reward_as_X": round(sum(a_x) / max(len(a_x), 1), 3), "illegal_frac": round(illegal, 3),
             **{f"{n}_{k}": round(m[k], 4) for n, m in metrics.items()
                for k in ("reward_mean", "clip_frac", "grad_norm")}}), flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            log_eval(step + 1)
+            await log_eval(step + 1)
+    players.stop()
     return {"seed": seed, "history": history, "mean_step_seconds": sum(step_times) / len(step_times)}
 
 
@@ -141,7 +156,7 @@ def main() -> None:
     results = []
     for seed in args.seeds:
         print(f"== seed {seed} ==", flush=True)
-        results.append(run(args, seed))
+        results.append(asyncio.run(run(args, seed)))
         print(f"mean step seconds {results[-1]['mean_step_seconds']:.2f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

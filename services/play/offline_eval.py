@@ -1,11 +1,11 @@
 """``tandem eval CONFIG [--checkpoint [AGENT=]DIR ...]``: score weights without starting a run.
 
-Plays the config's held-out evaluation (evaluation.py: seeded episodes, the
-env's scripted opponent, each agent in the roles it plays) with the given
-weights run in-process (local_policy.py), prints per-agent and per-role
-scores with wins/draws/losses, and writes them as JSON. No Redis, engines or
-trainers are started. ``--checkpoint DIR`` values without ``AGENT=`` go to the
-config's training agents in order; agents without one use their model_path.
+Plays the config's held-out evaluation (evaluation.py: seeded episodes, the env's scripted
+opponent, each agent in the roles it plays) with the given weights run in-process as ``Local``
+players (local.py), prints per-agent and per-role scores with wins/draws/losses, and writes them
+as JSON. No Redis, engines or trainers are started. ``--checkpoint DIR`` values without
+``AGENT=`` go to the config's training agents in order; agents without one use their model_path.
+The launcher calls ``main`` in-process.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from typing import Any
 
 from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import SamplingParams
-from services.coordinator.episode import play_episode
-from services.coordinator.evaluation import eval_roles, evaluate_player
-from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
+from services.contracts.players import Local, Player
 from services.envs.base import Environment
 from services.envs.registry import check_environment_config, check_scripted
+from services.play.episode import EpisodeResult, play_episode
+from services.play.evaluation import eval_roles, evaluate_player
+from services.play.local import LocalPlayers
 
 
 def assign_checkpoints(cfg: TandemConfig, values: list[str]) -> dict[str, str]:
@@ -54,21 +55,21 @@ def label(opponent: str | dict[str, str]) -> str:
 
 
 async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: list[str | dict[str, str]],
-                   episodes: int) -> dict[str, Any]:
+                   episodes: int, local: LocalPlayers | None = None) -> dict[str, Any]:
     env_cls = check_environment_config(cfg.environment)
-    local = LocalPolicies()
+    local = local or LocalPlayers()
     ev = cfg.environment.eval
     results: dict[str, Any] = {}
     for agent, path in checkpoints.items():
-        player = POLICY + path
+        player = Local(path=path, agent=agent)
         tokenizers = {player: await asyncio.to_thread(local.tokenizer, path)}
-        context = {player: await asyncio.to_thread(context_length, path)}
+        context = {player: await asyncio.to_thread(local.context_length, path)}
 
-        async def play(env: Environment, gid: str, mapping: dict[str, str], sampling: dict[str, SamplingParams],
-                       rng: random.Random, tokenizers: dict[str, Any] = tokenizers,
-                       context: dict[str, int] = context) -> Any:
+        async def play(env: Environment, gid: str, mapping: dict[str, Player], sampling: dict[Player, SamplingParams],
+                       rng: random.Random, tokenizers: dict[Player, Any] = tokenizers,
+                       context: dict[Player, int] = context) -> EpisodeResult:
             return await play_episode(env, uuid.uuid4().hex, gid, mapping, tokenizers, sampling, local.generate,
-                                      "local", "eval", rng, context)
+                                      "eval", rng, context)
 
         results[agent] = {"checkpoint": path, "roles": eval_roles(cfg.environment, env_cls, agent), "vs": {}}
         for opponent in opponents:
@@ -79,7 +80,9 @@ async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: li
             "time": time.time(), "agents": results}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TandemConfig, dict[str, str],
+                                                 list[str | dict[str, str]], int]:
+    """The command line, checked against the config; ConfigError/ValueError name the bad argument."""
     parser = argparse.ArgumentParser(prog="tandem eval", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="[AGENT=]DIR")
@@ -88,22 +91,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=None, help="default: the config's eval.episodes")
     parser.add_argument("--out", default=None, help="JSON output (default runs/<run>/eval.json)")
     args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    env_cls = check_environment_config(cfg.environment)
+    checkpoints = assign_checkpoints(cfg, args.checkpoint)
+    opponents: list[str | dict[str, str]] = list(args.opponent) or [cfg.environment.eval.opponent]
+    fixed = cfg.environment.scripted()
+    for o in args.opponent:
+        for role in env_cls.roles:
+            if role not in fixed:
+                check_scripted(env_cls, role, o, f"--opponent {o}")
+    episodes = cfg.environment.eval.episodes if args.episodes is None else args.episodes
+    if episodes < 1:
+        raise ConfigError("--episodes: must be at least 1 (or set environment.eval.episodes)")
+    return args, cfg, checkpoints, opponents, episodes
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = load_config(args.config)
-        env_cls = check_environment_config(cfg.environment)
-        checkpoints = assign_checkpoints(cfg, args.checkpoint)
-        opponents: list[str | dict[str, str]] = list(args.opponent) or [cfg.environment.eval.opponent]
-        for o in args.opponent:
-            for role in env_cls.roles:
-                if not cfg.environment.roles[role].startswith("scripted:"):
-                    check_scripted(env_cls, role, o, f"--opponent {o}")
-        episodes = cfg.environment.eval.episodes if args.episodes is None else args.episodes
-        if episodes < 1:
-            raise ConfigError("--episodes: must be at least 1 (or set environment.eval.episodes)")
+        args, cfg, checkpoints, opponents, episodes = parse_args(argv)
     except (ConfigError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    report = asyncio.run(run_eval(cfg, checkpoints, opponents, episodes))
+    local = LocalPlayers()
+    try:
+        report = asyncio.run(run_eval(cfg, checkpoints, opponents, episodes, local))
+    finally:
+        local.close()
     for agent, r in report["agents"].items():
         for opponent, s in r["vs"].items():
             roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
@@ -115,7 +128,3 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2))
     print(f"written to {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Who plays a role: the typed players, parsed once from the config's strings.
+
+The YAML names a role's player as a string: an agent name (``A``), one of the
+environment's scripted players (``scripted:random``) or a past weight version
+of an agent drawn from its opponent pool (``pool:A``). ``parse_player`` turns
+that string into one of the models below; everything past the config reads
+the type, never the string. ``Local`` (fixed weights from a directory, played
+in-process) is never written in a config: the coordinator draws one for each
+``Pool`` player per group, and ``tandem eval`` plays the checkpoints it is given
+as ``Local`` players. ``str(player)`` gives the config's form back (for records).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class _Player(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_serializer
+    def _as_string(self) -> str:
+        return str(self)
+
+
+class AgentPlayer(_Player):
+    """An agent of the config, played by its rollout's engines (and trained when it trains)."""
+
+    kind: Literal["agent"] = "agent"
+    agent: str = Field(min_length=1)
+
+    def __str__(self) -> str:
+        return self.agent
+
+
+class Scripted(_Player):
+    """One of the environment's scripted players (``Environment.scripted_players``), no model."""
+
+    kind: Literal["scripted"] = "scripted"
+    name: str = Field(min_length=1)
+
+    def __str__(self) -> str:
+        return f"scripted:{self.name}"
+
+
+class Pool(_Player):
+    """A past weight version of ``agent``, drawn per group from its last ``pool_size`` versions."""
+
+    kind: Literal["pool"] = "pool"
+    agent: str = Field(min_length=1)
+
+    def __str__(self) -> str:
+        return f"pool:{self.agent}"
+
+
+class Local(_Player):
+    """Fixed weights from an HF model directory, played in-process; samples like ``agent`` does.
+
+    Never trained on. ``agent`` is the agent the weights belong to (a pool version's owner,
+    the agent ``tandem eval`` scores)."""
+
+    kind: Literal["local"] = "local"
+    path: str = Field(min_length=1)
+    agent: str = Field(min_length=1)
+
+    def __str__(self) -> str:
+        return f"local:{self.path}"
+
+
+Player = Annotated[AgentPlayer | Scripted | Pool | Local, Field(discriminator="kind")]
+PLAYER_FORMS = "an agent name, 'scripted:<player>' or 'pool:<agent>'"
+
+
+def parse_player(value: object) -> AgentPlayer | Scripted | Pool | Local:
+    """A config string (or an already typed player) as a typed player; ValueError names the form."""
+    if isinstance(value, AgentPlayer | Scripted | Pool | Local):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not {PLAYER_FORMS}")
+    kind, sep, rest = value.partition(":")
+    if not sep:
+        kind, rest = "agent", value
+    if not rest:
+        raise ValueError(f"{value!r} is not {PLAYER_FORMS}")
+    if kind == "agent":
+        return AgentPlayer(agent=rest)
+    if kind == "scripted":
+        return Scripted(name=rest)
+    if kind == "pool":
+        return Pool(agent=rest)
+    raise ValueError(f"{value!r} is not {PLAYER_FORMS}")
+
+
+def agent_of(player: AgentPlayer | Scripted | Pool | Local) -> str | None:
+    """The agent a player names (its own, a pool's owner, a local copy's), or None for a scripted one."""
+    return None if isinstance(player, Scripted) else player.agent

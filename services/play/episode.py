@@ -1,0 +1,194 @@
+"""Play one episode: render each player's view, ask the acting player, feed the reply back.
+
+Each role played by a model keeps a token-exact view: user turns rendered with that player's
+tokenizer and chat template (loss mask 0), and the generated ids exactly as the engine returned
+them (loss mask 1, with their rollout logprobs and weight version). A role may be played by an
+agent (its rollout's engines), by one of the environment's scripted players, or by fixed
+weights run in-process (a ``Local`` player: opponent-pool versions, ``tandem eval``); ``generate``
+routes each model player's request. Per-turn rewards, when an environment gives them, are added
+to the final ones.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams
+from services.contracts.players import AgentPlayer, Player, Pool, Scripted
+from services.envs.base import Environment
+from services.envs.render import ChatRenderer
+
+MAX_TURNS = 200
+
+Generate = Callable[[Player, GenerateRequest], Awaitable[GenerateReply]]
+
+
+@dataclass
+class View:
+    """One role's token-exact view: what a Sample is built from."""
+
+    player: Player
+    role: str
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    reply_ids: list[str] = field(default_factory=list)
+
+    @property
+    def agent(self) -> str:
+        """The player as the records name it (an agent's name for an agent)."""
+        return str(self.player)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def add_reply(self, reply: GenerateReply) -> None:
+        self.tokens += reply.output_ids
+        self.mask += [1] * len(reply.output_ids)
+        self.logprobs += reply.output_logprobs
+        self.versions.append(reply.weight_version)
+        self.engines.append(reply.engine)
+        self.reply_ids.append(reply.id)
+
+
+@dataclass
+class EpisodeResult:
+    episode_id: str
+    group_id: str
+    roles: dict[str, Player]
+    rewards: dict[str, float]
+    transcript: list[dict[str, Any]]
+    views: dict[str, View]
+    summary: dict[str, Any]
+    purpose: str
+
+    def samples(self, group_size: dict[str, int]) -> list[Sample]:
+        """One Sample per view of an agent in ``group_size`` that generated something."""
+        out = []
+        for role, view in self.views.items():
+            if not isinstance(view.player, AgentPlayer) or view.player.agent not in group_size or not any(view.mask):
+                continue  # a frozen or in-process player: not trained
+            agent = view.player.agent
+            out.append(Sample(
+                agent=agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
+                group_size=group_size[agent], tokens=view.tokens, loss_mask=view.mask,
+                rollout_logprobs=view.logprobs, reward=self.rewards.get(role, 0.0),
+                turn_weight_versions=view.versions, engines=view.engines, reply_ids=view.reply_ids,
+            ))
+        return out
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.episode_id, "group_id": self.group_id, "purpose": self.purpose,
+                "roles": {r: str(p) for r, p in self.roles.items()}, "rewards": self.rewards,
+                "summary": self.summary, "turns": self.transcript}
+
+
+@dataclass
+class _Episode:
+    """The loop's state: the env, its players and what they need to generate."""
+
+    env: Environment
+    episode_id: str
+    group_id: str
+    roles: Mapping[str, Player]
+    sampling: Mapping[Player, SamplingParams]
+    generate: Generate
+    purpose: str
+    max_context: Mapping[Player, int]
+    views: dict[str, View] = field(default_factory=dict)
+    renderers: dict[str, ChatRenderer] = field(default_factory=dict)
+
+    async def model_turn(self, turn: int, role: str, entry: dict[str, Any]) -> str | None:
+        """Render the observation, generate, record the reply; None when the prompt would not fit."""
+        player, view, renderer = self.roles[role], self.views[role], self.renderers[role]
+        observation = self.env.observation(role)
+        context = renderer.user_turn(observation)
+        if len(view.tokens) + len(context) >= self.max_context.get(player, 1 << 62):
+            entry.update(observation=observation, truncated=True)
+            return None
+        view.add_context(context)
+        params = self.sampling[player]
+        if params.seed is not None:  # a seeded episode: each turn draws from its own seed
+            params = params.model_copy(update={"seed": params.seed + turn})
+        request = GenerateRequest(
+            agent=str(player), episode_id=self.episode_id, group_id=self.group_id, turn=turn, role=role,
+            input_ids=list(view.tokens), sampling=params, reply_stream="", purpose=self.purpose)
+        reply = await self.generate(player, request)
+        view.add_reply(reply)
+        entry.update(observation=observation, weight_version=reply.weight_version,
+                     finish_reason=reply.finish_reason, tokens=len(reply.output_ids))
+        return renderer.assistant_turn(reply.output_ids)
+
+
+async def play_episode(
+    env: Environment,
+    episode_id: str,
+    group_id: str,
+    roles: Mapping[str, Player],
+    tokenizers: Mapping[Player, Any],
+    sampling: Mapping[Player, SamplingParams],
+    generate: Generate,
+    purpose: str = "train",
+    rng: random.Random | None = None,
+    max_context: Mapping[Player, int] | None = None,
+) -> EpisodeResult:
+    """``roles`` maps each env role to its player (a ``Pool`` player must be resolved to a ``Local``
+    one first); ``tokenizers``, ``sampling`` and ``max_context`` are keyed by the model players.
+    ``generate(player, request)`` answers a model player's turn. When a role's next prompt would not
+    fit its player's context, the episode ends there as truncated: every role gets reward 0 (plus
+    the per-turn rewards so far)."""
+    if any(isinstance(p, Pool) for p in roles.values()):
+        raise ValueError(f"episode {episode_id}: pool players must be drawn before play ({roles})")
+    rng = rng or random.Random(episode_id)
+    ep = _Episode(env, episode_id, group_id, roles, sampling, generate, purpose, max_context or {})
+    for r, p in roles.items():
+        if not isinstance(p, Scripted):
+            ep.views[r] = View(player=p, role=r)
+            ep.renderers[r] = ChatRenderer(tokenizers[p], env.system_prompt(r))
+    transcript: list[dict[str, Any]] = []
+    rewards: dict[str, float] = {}
+    turn_rewards: dict[str, float] = {}
+    truncated = False
+    for turn in range(MAX_TURNS):
+        role = env.current_role()
+        player = roles[role]
+        entry: dict[str, Any] = {"turn": turn, "role": role, "agent": str(player)}
+        if isinstance(player, Scripted):
+            text: str | None = env.scripted_reply(role, player.name, rng)
+        else:
+            text = await ep.model_turn(turn, role, entry)
+        if text is None:
+            truncated = True
+            transcript.append(entry)
+            break
+        result = await env.step(role, text)
+        for r, v in result.turn_rewards.items():
+            turn_rewards[r] = turn_rewards.get(r, 0.0) + v
+        entry.update(text=text, turn_rewards=result.turn_rewards)
+        transcript.append(entry)
+        if result.done:
+            rewards = dict(result.rewards)
+            break
+    rewards = final_rewards(env, episode_id, roles, rewards, turn_rewards)
+    summary = {**env.summary(), **({"truncated": True} if truncated else {})}
+    return EpisodeResult(episode_id, group_id, dict(roles), rewards, transcript, ep.views, summary, purpose)
+
+
+def final_rewards(env: Environment, episode_id: str, roles: Mapping[str, Player], rewards: dict[str, float],
+                  turn_rewards: dict[str, float]) -> dict[str, float]:
+    """The final rewards (0 for all when out of turns or context) plus the per-turn ones; raises on NaN/inf."""
+    rewards = dict(rewards) if rewards else {r: 0.0 for r in roles}
+    for r, v in turn_rewards.items():
+        rewards[r] = rewards.get(r, 0.0) + v
+    bad = {r: v for r, v in rewards.items() if not math.isfinite(v)}
+    if bad:  # a NaN would poison the group's advantages and the weights: abandon this episode instead
+        raise ValueError(f"environment {type(env).__name__} gave non-finite rewards {bad} (episode {episode_id})")
+    return rewards
