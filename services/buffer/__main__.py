@@ -22,7 +22,8 @@ async def main_async(config: str, agent: str) -> int:
     async def report(v: GroupVerdict) -> None:
         await bus.publish(bus.streams.events, Event(source=bus.service, kind="group_done", agent=agent,
                                                     data={"group_id": v.group_id, "kept": v.kept,
-                                                          "reason": v.reason, "was_kept": v.was_kept}))
+                                                          "outcome": v.outcome, "reason": v.reason,
+                                                          "was_kept": v.was_kept}))
 
     async def release() -> None:
         batches, dropped = await store.release()
@@ -39,10 +40,17 @@ async def main_async(config: str, agent: str) -> int:
             await report(verdict)
             await release()
 
+    async def abandon_overdue() -> None:  # the group timeout: a group missing a sample is abandoned
+        while not stop.is_set():
+            for v in await store.abandon_overdue(cfg.run.group_timeout_s):
+                log.warning("group %s abandoned: %s", v.group_id, v.reason)
+                await report(v)
+            await asyncio.sleep(min(5.0, cfg.run.group_timeout_s / 4))
+
     await release()  # a restart may find complete groups waiting
     await run_service(f"buffer.{agent}", bus, stop,
                       bus.consume(bus.streams.samples(agent), "buffer", bus.service, Sample, on_sample, stop),
-                      watch_control(bus, f"control-buffer-{agent}", stop))
+                      watch_control(bus, f"control-buffer-{agent}", stop), abandon_overdue())
     return 0
 
 
