@@ -90,7 +90,7 @@ async def restore_run(st: RunState, record: RunRecord, ledger: GroupLedger) -> t
     paths = {}
     for agent, a in st.agents.items():
         versions = await record.versions(agent)
-        a.restore_versions(versions.loaded, versions.loaded_records)
+        a.restore_versions(versions.loaded, versions.trained)
         paths[agent] = [r["path"] for r in versions.loaded_records]
     for agent, outcomes in (await ledger.restore()).items():
         st.agents[agent].restore_groups([(o.group_id, o.state, o.reason, o.at, o.reward) for o in outcomes.values()])
