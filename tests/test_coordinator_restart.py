@@ -123,3 +123,22 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     assert summary["agents"]["A"]["groups_kept"] == 1 and summary["agents"]["A"]["groups_abandoned"] == 1
     assert [e["label"] for e in summary["evals"]] == ["start", "end"]
     await third.bus.close()
+
+
+async def test_pause_stays_in_the_coordinator_and_a_stop_command_ends_the_run(redis_url: str, tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    from services.contracts.messages import Control
+
+    cfg = make_config(redis_url, str(tiny_model_dir), tmp_path / "runs")
+    coord = Coordinator(cfg, Bus(redis_url, "rs", "coordinator"))
+    await coord.restore()
+    await coord.control("pause")
+    await coord.control("resume")
+    await coord.control("pause")
+    assert await coord.bus.redis.xlen(coord.bus.streams.control) == 0  # no round trip through the control stream
+    await coord.on_control(Control(command="stop"))  # a stop from elsewhere: graceful, recorded
+    again = Coordinator(cfg, Bus(redis_url, "rs", "coordinator"))
+    await again.restore()
+    assert again.state.paused and again.state.stop_requested
+    await coord.bus.close()
+    await again.bus.close()
