@@ -1,8 +1,8 @@
 """A short run with every service as a real process, two faults injected by the test:
 
 * the STALL test: one of agent A's samples is dead-lettered (replaced, while A's buffer is
-  stopped with SIGSTOP, by a copy that fails validation); its group is abandoned after
-  ``run.group_timeout_s`` with that reason and the run completes;
+  down, by a copy that fails validation); its group is abandoned after ``run.group_timeout_s``
+  with that reason and the run completes;
 * the coordinator is SIGKILLed mid-training and restarted (as any supervisor would): the run
   completes with exactly ``total_steps`` versions per agent, the start evaluation is not re-run,
   and ``summary.json`` counts every step and version.
@@ -13,7 +13,6 @@ Prints the time from the kill to the control API answering and to the first new 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ def _wait(predicate, timeout: float, what: str):
     while time.time() < deadline:
         try:
             value = predicate()
-        except (httpx.HTTPError, KeyError, ValueError):
+        except (httpx.HTTPError, redis.RedisError, KeyError, ValueError):
             value = None
         if value:
             return value
@@ -62,28 +61,30 @@ def write_config(d: Path, port: int, model: Path) -> Path:
     return path
 
 
-def dead_letter_one_sample(client: redis.Redis, group: ProcessGroup) -> str:
-    """Stop A's buffer, wait for a sample it has not been delivered, swap it for an invalid copy."""
-    pid = next(c.proc.pid for c in group.children if c.name == "buffer.A")
+def dead_letter_one_sample(client: redis.Redis, group: ProcessGroup, path: Path) -> str:
+    """Kill A's buffer, wait for a sample it was not delivered, swap that entry for a copy that fails
+    validation, and restart the buffer (as a supervisor would): the copy is dead-lettered at once."""
+    buffer = next(c for c in group.children if c.name == "buffer.A")
     stream = "tandem:crash:samples:A"
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        def undelivered():
-            info = {g["name"]: g for g in client.xinfo_groups(stream)}
-            last = info[b"buffer"]["last-delivered-id"]
-            newer = client.xrange(stream, min=b"(" + last)
-            return newer[-1] if newer else None
+    _wait(lambda: client.exists(stream) and any(g["name"] == b"buffer" for g in client.xinfo_groups(stream)), 300,
+          "A's buffer to read its stream")
+    buffer.proc.send_signal(signal.SIGKILL)
+    buffer.proc.wait(10)
 
-        entry_id, fields = _wait(undelivered, 600, "a sample A's stopped buffer was not delivered")
-        sample = decode(fields[FIELD], Sample)
-        bad = Sample.model_construct(**{**sample.model_dump(), "loss_mask": [0] * len(sample.tokens)})
-        with client.pipeline(transaction=True) as pipe:
-            pipe.xdel(stream, entry_id)
-            pipe.xadd(stream, {FIELD: encode(bad)})
-            pipe.execute()
-        return sample.group_id
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    def undelivered():
+        last = next(g for g in client.xinfo_groups(stream) if g["name"] == b"buffer")["last-delivered-id"]
+        newer = client.xrange(stream, min=b"(" + last)
+        return newer[-1] if newer else None
+
+    entry_id, fields = _wait(undelivered, 600, "a sample A's buffer was not delivered")
+    sample = decode(fields[FIELD], Sample)
+    bad = Sample.model_construct(**{**sample.model_dump(), "loss_mask": [0] * len(sample.tokens)})
+    with client.pipeline(transaction=True) as pipe:
+        pipe.xdel(stream, entry_id)
+        pipe.xadd(stream, {FIELD: encode(bad)})
+        pipe.execute()
+    group.start("buffer.A", python_module("services.buffer", "--config", str(path), "--agent", "A"))
+    return sample.group_id
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +101,11 @@ def run(tmp_path_factory, warm_model_dir):
     status = lambda: httpx.get(f"{api}/v1/status", timeout=2).json()  # noqa: E731
     try:
         start_services(cfg, str(path), group, port)
-        observed["poisoned_group"] = dead_letter_one_sample(client, group)
+        observed["poisoned_group"] = dead_letter_one_sample(client, group, path)
         _wait(lambda: min(a["step"] for a in status()["agents"].values()) >= 2, 900, "step 2 of both agents")
         coord = next(c for c in group.children if c.name == "coordinator")
         before = status()
-        os.kill(coord.proc.pid, signal.SIGKILL)
+        coord.proc.send_signal(signal.SIGKILL)
         killed = time.time()
         coord.proc.wait(10)
         restarted = group.start("coordinator", python_module("services.coordinator", "--config", str(path),
