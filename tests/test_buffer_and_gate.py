@@ -98,9 +98,10 @@ def test_group_outcomes_apply_once_and_stale_undoes_kept():
     st.in_flight_groups = 3
     st.resolve_group("g0", "kept")
     st.resolve_group("g0", "kept")  # duplicate event
-    st.resolve_group("g1", "empty")
+    st.resolve_group("g1", "abandoned", "no turn in any episode")
     st.resolve_group("g2", "dropped")
     assert (st.kept_groups, st.dropped_groups, st.in_flight_groups) == (1, 1, 0)
+    assert st.abandoned_groups == 1 and st.abandon_reasons == {"no turn in any episode": 1}
     st.resolve_group("g0", "dropped")  # stale at release: no longer counts as kept
     assert (st.kept_groups, st.dropped_groups) == (0, 2)
     st.kept_groups = 8

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel
 
 from services.common import service
 from services.common.bus import Bus
@@ -19,7 +18,7 @@ from services.common.embedded_redis import free_port
 from services.common.health import probe_server
 from services.common.metrics import SERVICE_STARTS, record_start
 from services.contracts.config import parse_config
-from services.contracts.messages import Event
+from services.contracts.messages import Control, EngineStatus, RolloutLoad, TrainStep, WeightsLoaded
 from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
 
@@ -52,17 +51,15 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
                                    "B": {"model_path": str(tiny_model_dir)}}})
     bus = Bus(redis_url, "prom", "coordinator")
     coord = Coordinator(cfg, bus)
+    step1 = {"train_seconds": 0.7, "tokens_per_s": 900.0, "reward_mean": 0.25, "stale_frac": 0.5}
     events = [
-        Event(source="trainer-A", kind="train_step", agent="A",
-              data={"version": 1, "train_seconds": 0.7, "tokens_per_s": 900.0, "reward_mean": 0.25, "stale_frac": 0.5}),
-        Event(source="trainer-A", kind="train_step", agent="A",  # a re-send after a restart counts once
-              data={"version": 1, "train_seconds": 0.7, "tokens_per_s": 900.0, "reward_mean": 0.25, "stale_frac": 0.5}),
-        Event(source="trainer-A", kind="train_step", agent="A",
-              data={"version": 2, "train_seconds": 3.0, "tokens_per_s": 1000.0, "reward_mean": 0.5, "stale_frac": 0.0}),
-        Event(source="rollout-A", kind="weights_loaded", agent="A", data={"version": 2, "path": "/w/2"}),
-        Event(source="rollout-A", kind="rollout_load", agent="A", data={
-            "queue_depth": 7, "inflight": 3, "capacity": 8, "waiting": 0,
-            "engines": [{"url": "http://e0", "healthy": True, "restarts": 2}]}),
+        TrainStep(source="trainer-A", agent="A", version=1, batch_step=1, metrics=step1),
+        TrainStep(source="trainer-A", agent="A", version=1, batch_step=1, metrics=step1),  # a re-send counts once
+        TrainStep(source="trainer-A", agent="A", version=2, batch_step=2,
+                  metrics={"train_seconds": 3.0, "tokens_per_s": 1000.0, "reward_mean": 0.5, "stale_frac": 0.0}),
+        WeightsLoaded(source="rollout-A", agent="A", version=2, path="/w/2", engines=[]),
+        RolloutLoad(source="rollout-A", agent="A", queue_depth=7, inflight=3, capacity=8, waiting=0,
+                    engines=[EngineStatus(url="http://e0", healthy=True, restarts=2)]),
     ]
     for ev in events:
         await coord.on_event(ev)
@@ -112,27 +109,23 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
     await bus.close()
 
 
-class Ping(BaseModel):
-    n: int
-
-
 async def test_a_service_serves_its_own_metrics_on_the_health_port(redis_url: str) -> None:
     bus = Bus(redis_url, "prom-svc", "svc-A")
     stop = asyncio.Event()
-    stream = bus.streams.key("pings")
+    stream = bus.streams.control  # a stream of the flow table: the Bus validates its entries as Control
     handled = asyncio.Event()
 
-    async def on_ping(msg: Ping) -> None:
-        if msg.n == 2:
+    async def on_ping(msg: Control) -> None:
+        if msg.command == "resume":
             handled.set()
 
-    await bus.redis.xadd(stream, {b"m": b"not a ping"})  # no payload field: dead-lettered
+    await bus.redis.xadd(stream, {b"m": b"not a command"})  # no payload field: dead-lettered
     port = free_port()
     runner = asyncio.create_task(service.run_service(
-        "svc.A", bus, stop, bus.consume(stream, "svc", "svc-A", Ping, on_ping, stop), health_port=port))
+        "svc.A", bus, stop, bus.consume(stream, "control-buffer-A", "svc-A", on_ping, stop), health_port=port))
     publisher = Bus(redis_url, "prom-svc", "publisher")
-    for n in (1, 2):
-        await publisher.publish(stream, Ping(n=n))
+    for command in ("pause", "resume"):
+        await publisher.publish(stream, Control(command=command))
     await asyncio.wait_for(handled.wait(), 10)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         resp = await client.get("/metrics")
@@ -140,8 +133,9 @@ async def test_a_service_serves_its_own_metrics_on_the_health_port(redis_url: st
         assert (await client.post("/metrics")).status_code == 405
     got = samples(resp.text)
     assert got[("tandem_bus_dead_letters_total", (("stream", stream),))] == 1
-    ok = (("group", "svc"), ("outcome", "ok"), ("stream", stream))
-    assert got[("tandem_bus_handled_seconds_count", ok)] == 3  # the dead letter and both pings
+    ok = (("group", "control-buffer-A"), ("outcome", "ok"), ("stream", stream))
+    assert got[("tandem_bus_handled_seconds_count", ok)] == 2  # both commands (the malformed entry is dead-lettered
+    # as it is read, before any handler: counted in tandem_bus_dead_letters_total above)
     assert got[("tandem_bus_handled_seconds_sum", ok)] > 0
     assert got[("process_cpu_seconds_total", ())] > 0 and got[("process_resident_memory_bytes", ())] > 0
     stop.set()

@@ -18,7 +18,7 @@ async def main_async(config: str, agent: str) -> int:
     await buffer.release()  # a restart may find complete groups waiting
     await run_service(f"buffer.{agent}", bus, stop,
                       bus.consume(bus.streams.samples(agent), "buffer", bus.service, buffer.on_sample, stop),
-                      watch_control(bus, f"control-buffer-{agent}", stop))
+                      watch_control(bus, f"control-buffer-{agent}", stop), buffer.abandon_overdue(stop))
     return 0
 
 

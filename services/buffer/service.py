@@ -7,12 +7,16 @@ stale at release are reported dropped.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from services.buffer.store import GroupVerdict, SampleStore
 from services.common.bus import Bus, Reject
 from services.contracts.config import TandemConfig
 from services.contracts.messages import BatchReleased, GroupDone, Sample
+
+GROUP_CHECK_MAX_S = 5.0
 
 
 class BufferService:
@@ -25,6 +29,7 @@ class BufferService:
         self.log = logging.getLogger(f"tandem.buffer.{agent}")
         self.store = SampleStore(bus, agent, acfg.groups_per_batch, acfg.max_staleness, acfg.filter_zero_variance,
                                  max_batches=cfg.run.total_steps)
+        self.group_timeout_s = cfg.run.group_timeout_s
 
     async def on_sample(self, sample: Sample) -> None:
         if sample.agent != self.agent:
@@ -45,5 +50,15 @@ class BufferService:
 
     async def report(self, v: GroupVerdict) -> None:
         await self.bus.publish(self.bus.streams.events, GroupDone(
-            source=self.bus.service, agent=self.agent, group_id=v.group_id, outcome="kept" if v.kept else "dropped",
+            source=self.bus.service, agent=self.agent, group_id=v.group_id, outcome=v.outcome,  # type: ignore[arg-type]
             reason=v.reason or None, was_kept=v.was_kept))
+
+    async def abandon_overdue(self, stop: asyncio.Event) -> None:
+        """The group timeout: a group still missing a sample ``run.group_timeout_s`` after it was emitted is
+        abandoned (reported with its reason), so a dead-lettered sample never stalls the run."""
+        while not stop.is_set():
+            for v in await self.store.abandon_overdue(self.group_timeout_s):
+                self.log.warning("group %s abandoned: %s", v.group_id, v.reason)
+                await self.report(v)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(GROUP_CHECK_MAX_S, self.group_timeout_s / 4))

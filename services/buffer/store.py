@@ -1,4 +1,4 @@
-"""One agent's sample store in Redis: samples by id, groups by id, a ready queue.
+"""One agent's sample store in Redis: samples by id, groups by id, a ready queue, one verdict per group.
 
 One buffer process per agent (its consumer group reads with concurrency 1).
 
@@ -9,23 +9,59 @@ complete when ``group_size`` samples of it are stored; it is then kept
 the ``groups_per_batch`` oldest ready groups, drops any that are staler than
 ``max_staleness`` for the step it trains towards, and is written to
 ``batches:{agent}`` in the same transaction that removes its samples.
+
+Every group the coordinator emitted ends in exactly one verdict (the group ledger, issue 11):
+``kept``, ``dropped:<reason>`` (zero variance; ``stale`` at release, the one change a kept
+group may still see) or ``abandoned:<reason>``. The first verdict is recorded with HSETNX in
+one script with its effect (ready-queue push, or removal of the samples), so a late sample
+and the timeout sweep can never both decide. A group still without a verdict
+``group_timeout_s`` after its emission (``groups_pending``) is abandoned: a sample of it was
+dead-lettered (the reason is taken from the dead-letter stream) or never arrived.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
+
+import msgpack
 
 from services.common.bus import Bus
 from services.contracts.codec import FIELD, decode, encode
-from services.contracts.messages import Batch, Sample
+from services.contracts.messages import Batch, DeadLetter, Sample
+from services.contracts.streams import split_verdict
+
+# KEYS: verdicts, ready, samples, group set, pending; ARGV: group id, verdict, push (1/0), sample ids...
+# Returns the verdict now on record (the earlier one when the group was already decided).
+DECIDE = """
+redis.call('ZREM', KEYS[5], ARGV[1])
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return redis.call('HGET', KEYS[1], ARGV[1]) end
+if ARGV[3] == '1' then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+else
+  for i = 4, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
+  redis.call('DEL', KEYS[4])
+end
+return ARGV[2]
+"""
 
 
 @dataclass
 class GroupVerdict:
     group_id: str
-    kept: bool
+    outcome: str  # "kept" | "dropped" | "abandoned"
     reason: str = ""
     was_kept: bool = False  # dropped after an earlier "kept" verdict (stale at release)
+
+    @property
+    def kept(self) -> bool:
+        return self.outcome == "kept"
+
+    @classmethod
+    def parse(cls, group_id: str, raw: str) -> GroupVerdict:
+        outcome, reason = split_verdict(raw)
+        return cls(group_id, outcome, reason)
 
 
 class SampleStore:
@@ -36,26 +72,42 @@ class SampleStore:
         s = bus.streams
         self.k_samples = s.buffer_samples(agent)
         self.k_ready = s.buffer_ready(agent)
-        self.k_verdicts = s.key(f"buffer:{agent}:verdicts")  # group id -> "kept" or the drop reason
+        self.k_verdicts = s.buffer_verdicts(agent)
+        self.k_pending = s.groups_pending(agent)
         self.k_released = s.key(f"buffer:{agent}:released")
+        self._decide = bus.redis.register_script(DECIDE)
+        self.lock = asyncio.Lock()  # a sample's store-and-decide and the timeout sweep never interleave
 
     def k_group(self, group_id: str) -> str:
         return self.bus.streams.buffer_group(self.agent, group_id)
+
+    async def decide(self, group_id: str, outcome: str, reason: str = "",
+                     samples: list[Sample] | None = None) -> GroupVerdict:
+        """Record the group's first verdict with its effect; return the verdict on record."""
+        raw = "kept" if outcome == "kept" else f"{outcome}:{reason}"
+        keys = [self.k_verdicts, self.k_ready, self.k_samples, self.k_group(group_id), self.k_pending]
+        ids = [s.id for s in samples or []]
+        got = await self._decide(keys=keys, args=[group_id, raw, "1" if outcome == "kept" else "0", *ids])
+        return GroupVerdict.parse(group_id, got.decode() if isinstance(got, bytes) else str(got))
 
     async def add(self, sample: Sample) -> GroupVerdict | None:
         """Store a sample; return the group's verdict once the group is complete.
 
         Safe to repeat: storing is keyed by sample id, and the verdict of a group
-        is decided once, recorded with the ready-queue push in one transaction,
+        is decided once, recorded with the ready-queue push in one script,
         and returned again on a repeat (so a verdict event lost to a crash is
-        re-sent on redelivery; the coordinator ignores duplicates)."""
+        re-sent on redelivery; the coordinator ignores duplicates). A sample of a
+        group already decided (say, abandoned) is not stored."""
         if sample.agent != self.agent:
             raise ValueError(f"sample of agent {sample.agent!r} reached the buffer of {self.agent!r}")
+        async with self.lock:
+            return await self._add(sample)
+
+    async def _add(self, sample: Sample) -> GroupVerdict | None:
         r = self.bus.redis
         decided = await r.hget(self.k_verdicts, sample.group_id)
         if decided is not None:  # a redelivery after the verdict: store nothing, repeat the verdict
-            reason = decided.decode()
-            return GroupVerdict(sample.group_id, reason == "kept", "" if reason == "kept" else reason)
+            return GroupVerdict.parse(sample.group_id, decided.decode())
         async with r.pipeline(transaction=True) as pipe:
             pipe.hset(self.k_samples, sample.id, encode(sample))
             pipe.sadd(self.k_group(sample.group_id), sample.id)
@@ -65,13 +117,8 @@ class SampleStore:
             return None
         samples = await self.group_samples(sample.group_id)
         if self.filter_zero_variance and len({s.reward for s in samples}) == 1:
-            await self.drop(sample.group_id, samples, "zero reward variance")
-            return GroupVerdict(sample.group_id, False, "zero reward variance")
-        async with r.pipeline(transaction=True) as pipe:
-            pipe.hset(self.k_verdicts, sample.group_id, "kept")
-            pipe.rpush(self.k_ready, sample.group_id)
-            await pipe.execute()
-        return GroupVerdict(sample.group_id, True)
+            return await self.decide(sample.group_id, "dropped", "zero reward variance", samples)
+        return await self.decide(sample.group_id, "kept")
 
     async def group_samples(self, group_id: str) -> list[Sample]:
         ids = sorted(await self.bus.redis.smembers(self.k_group(group_id)))
@@ -79,14 +126,66 @@ class SampleStore:
         return [decode(raw, Sample) for raw in raws if raw is not None]
 
     async def drop(self, group_id: str, samples: list[Sample], reason: str) -> None:
+        """Drop a group that was kept (stale at release): the one verdict that overwrites another."""
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             if samples:
                 pipe.hdel(self.k_samples, *[s.id for s in samples])
-            pipe.hset(self.k_verdicts, group_id, reason)
+            pipe.hset(self.k_verdicts, group_id, f"dropped:{reason}")
             pipe.delete(self.k_group(group_id))
             pipe.lrem(self.k_ready, 0, group_id)
             await pipe.execute()
 
+    # --- the group timeout --------------------------------------------------
+    async def abandon_overdue(self, timeout_s: float, now: float | None = None) -> list[GroupVerdict]:
+        """Abandon every emitted group still without a verdict ``timeout_s`` after its emission.
+
+        Skipped while samples wait in the stream (undelivered or pending): a group waiting on them
+        is slow, not stalled. A buffer that was down therefore stores what arrived first."""
+        horizon = (time.time() if now is None else now) - timeout_s
+        overdue = [g.decode() for g in await self.bus.redis.zrangebyscore(self.k_pending, "-inf", horizon)]
+        if not overdue or await self.samples_waiting():
+            return []
+        letters = await self.dead_lettered_groups()
+        out = []
+        async with self.lock:
+            for gid in overdue:
+                reason = (f"dead-lettered sample: {letters[gid]}" if gid in letters
+                          else f"timeout: incomplete {timeout_s:g}s after emission")
+                verdict = await self.decide(gid, "abandoned", reason, await self.group_samples(gid))
+                if verdict.outcome == "abandoned" and verdict.reason == reason:
+                    out.append(verdict)
+        return out
+
+    async def samples_waiting(self) -> bool:
+        """Entries of ``samples:{agent}`` the buffer's consumer group has not acknowledged yet."""
+        stream = self.bus.streams.samples(self.agent)
+        last = await self.bus.redis.xrevrange(stream, count=1)
+        if not last:
+            return False
+        for g in await self.bus.redis.xinfo_groups(stream):
+            if g["name"] in (b"buffer", "buffer"):
+                delivered = g["last-delivered-id"]
+                delivered = delivered.decode() if isinstance(delivered, bytes) else delivered
+                return int(g["pending"]) > 0 or _id(delivered) < _id(last[0][0].decode())
+        return True  # no consumer group yet: nothing was read
+
+    async def dead_lettered_groups(self) -> dict[str, str]:
+        """Group id -> reason, for this agent's samples on the dead-letter stream."""
+        stream = self.bus.streams.samples(self.agent)
+        out: dict[str, str] = {}
+        for _, fields in await self.bus.redis.xrange(self.bus.streams.deadletter):
+            try:
+                letter = decode(fields[FIELD], DeadLetter)
+                if letter.source_stream != stream:
+                    continue
+                payload = msgpack.unpackb(letter.payload, raw=False)
+            except Exception:  # noqa: BLE001 (a letter we cannot read names no group)
+                continue
+            if isinstance(payload, dict) and isinstance(payload.get("group_id"), str):
+                out[payload["group_id"]] = letter.reason
+        return out
+
+    # --- batches ------------------------------------------------------------
     async def release(self) -> tuple[list[Batch], list[GroupVerdict]]:
         """Release every batch that can be formed now; return them and stale drops."""
         r = self.bus.redis
@@ -104,7 +203,7 @@ class SampleStore:
             if stale:
                 for g in stale:
                     await self.drop(g, groups[g], "stale")
-                    dropped.append(GroupVerdict(g, False, "stale", was_kept=True))
+                    dropped.append(GroupVerdict(g, "dropped", "stale", was_kept=True))
                 continue
             samples = [s for g in group_ids for s in groups[g]]
             batch = Batch(agent=self.agent, step=step, samples=samples)
@@ -118,3 +217,8 @@ class SampleStore:
                 await pipe.execute()
             batches.append(batch)
         return batches, dropped
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

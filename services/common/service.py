@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from services.common.bus import Bus
 from services.common.health import HealthServer, health_port_from_env
+from services.common.metrics import SERVICE_STARTS, record_start
 from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import Control
 
@@ -141,6 +142,7 @@ async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitabl
             await bus.close()
             raise RuntimeError(f"cannot serve the health endpoint on port {port}: {exc}") from exc
         log.info("health endpoint on :%d/health", health.port)
+    await bus.retrying("record its start", lambda: record_start(bus.redis, bus.streams.key(SERVICE_STARTS), bus.service))
     install_signal_handlers(stop)
     tasks.extend(asyncio.ensure_future(x) for x in loops)
     try:

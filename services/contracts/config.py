@@ -186,6 +186,9 @@ class RunConfig(Strict):
     output_dir: str = "runs"
     trim_interval_s: float = Field(30.0, ge=0, description="trim acknowledged stream entries every N seconds; "
                                    "0 keeps every entry (audits, tests)")
+    group_timeout_s: float = Field(600.0, gt=0, description="a GRPO group not complete this many seconds after "
+                                   "it was launched (while playing) or emitted (in the buffer) is abandoned, "
+                                   "so a lost turn or a dead-lettered sample never stalls the run")
 
 
 class ApiConfig(Strict):

@@ -70,6 +70,15 @@ class Streams:
     def buffer_ready(self, agent: str) -> str:
         return self.key(f"buffer:{agent}:ready")
 
+    def buffer_verdicts(self, agent: str) -> str:
+        """Group id -> the buffer's verdict on it: "kept", "dropped:<reason>" or "abandoned:<reason>"."""
+        return self.key(f"buffer:{agent}:verdicts")
+
+    def groups_pending(self, agent: str) -> str:
+        """Sorted set: groups the coordinator emitted to the agent's buffer, scored by emission time; the
+        buffer removes a group when it records its verdict, and abandons one left past the group timeout."""
+        return self.key(f"groups:{agent}:pending")
+
     def trained_samples(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:trained_samples")
 
@@ -78,3 +87,9 @@ class Streams:
 
     def episodes(self) -> str:
         return self.key("episodes")
+
+
+def split_verdict(raw: str) -> tuple[str, str]:
+    """A buffer verdict as (outcome, reason): "kept" -> ("kept", ""), "dropped:stale" -> ("dropped", "stale")."""
+    outcome, _, reason = raw.partition(":")
+    return outcome, reason

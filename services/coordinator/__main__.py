@@ -1,17 +1,18 @@
-"""Coordinator entry point: ``python -m services.coordinator --config C [--port P]``."""
+"""Coordinator entry point: ``python -m services.coordinator --config C [--port P]``.
+
+Loads the config, builds the ``Coordinator`` (scheduler.py), restores the run from Redis,
+and wires each stream to its handler; the control API and the run itself run beside them.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import uvicorn
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.contracts.messages import Control
 from services.coordinator.api import create_app
-from services.coordinator.report import write_report
 from services.coordinator.scheduler import Coordinator
 
 
@@ -25,44 +26,17 @@ async def main_async(config: str, port: int | None) -> int:
         log.error("invalid config %s: %s", config, exc)
         await bus.close()
         return 2
-    stop = asyncio.Event()
-    s = bus.streams
+    await coord.restore()
+    stop, s = asyncio.Event(), bus.streams
     server = uvicorn.Server(uvicorn.Config(create_app(coord), host=cfg.api.host, port=port or cfg.api.port,
                                            log_level="warning", lifespan="off"))
-    started = time.time()
-
-    async def on_control(cmd: Control) -> None:  # commands published on the control stream
-        if cmd.command in ("pause", "resume", "stop"):  # its own final stop comes after the run: a no-op
-            await coord.control(cmd.command, publish=False)
-
-    async def housekeeping() -> None:
-        """Trim what every consumer group has acknowledged, every ``run.trim_interval_s`` (0: never)."""
-        streams = [s.events, s.control, s.replies(coord.name)] + [
-            f(a) for a in cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
-        if cfg.run.trim_interval_s == 0:
-            return await stop.wait()
-        while not stop.is_set():
-            await asyncio.sleep(cfg.run.trim_interval_s)
-            for name in streams:
-                await bus.trim_acknowledged(name)
-
-    async def run_and_report() -> None:
-        await coord.run()
-        path = await asyncio.to_thread(write_report, coord.state, coord.evals, cfg.run_dir(), time.time() - started)
-        log.info("report written to %s", path)
-        await bus.publish(s.control, Control(command="stop", args={"reason": coord.state.phase}))
-        server.should_exit = True
-
-    loops = [
-        bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.on_reply, stop,
-                    concurrency=1, count=64),
-        bus.consume(s.events, "coordinator", coord.name, coord.on_event, stop),
-        watch_control(bus, "control-coordinator", stop, on_control, stop_on_stop=False),
-        server.serve(),
-        housekeeping(),
-    ]
-    runner = asyncio.ensure_future(run_and_report())
-    await run_service("coordinator", bus, stop, *loops, runner)
+    runner = asyncio.ensure_future(coord.run_and_report(server))
+    await run_service("coordinator", bus, stop,
+                      bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.on_reply,
+                                  stop, concurrency=1, count=64),
+                      bus.consume(s.events, "coordinator", coord.name, coord.on_event, stop),
+                      watch_control(bus, "control-coordinator", stop, coord.on_control, stop_on_stop=False),
+                      server.serve(), coord.housekeeping(stop), runner)
     ok = runner.done() and not runner.cancelled() and runner.exception() is None and coord.state.error is None
     return 0 if ok else 1
 

@@ -34,6 +34,8 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
             "eval_end": a.eval_end,
             "groups_kept": a.kept_groups,
             "groups_dropped": a.dropped_groups,
+            "groups_abandoned": a.abandoned_groups,
+            "abandon_reasons": dict(a.abandon_reasons),
             "max_staleness": a.max_staleness,
         }
     return {"run": state.cfg.run.name, "phase": state.phase, "error": state.error, "episodes": state.episodes_done,

@@ -1,9 +1,14 @@
-"""The coordinator's run: evaluation, gated group launches, sample emission, the end.
+"""The coordinator service: evaluation, gated group launches, sample emission, the end.
 
-Main loop (``Coordinator.run``): evaluate every agent against the env's
+One handler per stream: ``on_reply`` (replies), ``on_event`` (events), ``on_control``
+(control). Main loop (``Coordinator.run``): evaluate every agent against the env's
 scripted opponent; launch GRPO groups while the staleness gate allows (see
 state.py) and the run is not paused; when every agent has loaded its last
 version, evaluate again, write the report and tell all services to stop.
+
+Restartable at any moment: ``restore`` rebuilds the run state at start from Redis
+(record.py: flags, evaluations, versions from their owners; ledger.py: every group).
+Replies and events that arrived while it was down wait in its consumer groups.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
+from services.coordinator.ledger import GroupLedger
+from services.coordinator.record import RunRecord, restore_run
+from services.coordinator.report import write_report
 from services.coordinator.state import RunState
 from services.envs.registry import check_environment_config
 from services.play.episode import EpisodeResult, play_episode
@@ -64,6 +72,16 @@ class Coordinator:
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
+        self.ledger = GroupLedger(bus, list(self.state.agents))
+        self.run_record = RunRecord(bus)
+        self.evals_saved = 0  # evaluation reports already in the run record
+
+    async def restore(self) -> None:
+        """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
+        self.evals, paths = await restore_run(self.state, self.run_record, self.ledger)
+        self.evals_saved = len(self.evals)
+        for agent, loaded in paths.items():
+            self.versions[agent] += [p for p in loaded if p not in self.versions[agent]]
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -111,20 +129,27 @@ class Coordinator:
         elif ev.kind == "rollout_load":
             agent.rollout = ev.report()
         elif ev.kind == "group_done":
-            agent.resolve_group(ev.group_id, ev.outcome)
+            agent.resolve_group(ev.group_id, ev.outcome, ev.reason or "")
         await self.notify()
 
-    async def control(self, command: str, publish: bool = True) -> None:
-        """pause / resume / stop the run. ``stop`` ends it gracefully: no new groups, the
-        report is written, and only then are the other services told to stop."""
+    async def on_control(self, cmd: Control) -> None:
+        """A ``stop`` on the control stream from elsewhere ends the run gracefully; the coordinator's
+        own final stop comes after the run and changes nothing."""
+        if cmd.command == "stop" and self.state.phase not in ("done", "stopped"):
+            await self.control("stop")
+
+    async def control(self, command: str) -> None:
+        """pause / resume / stop the run, recorded in Redis (a restart keeps it). Only the
+        coordinator launches episodes, so pause and resume stay here. ``stop`` ends the run
+        gracefully: no new groups, the report is written, and only then are the other
+        services told to stop."""
         if command == "pause":
             self.state.paused = True
         elif command == "resume":
             self.state.paused = False
         elif command == "stop":
             self.state.stop_requested = True
-        if publish and command != "stop":
-            await self.bus.publish(self.bus.streams.control, Control(command=command))  # type: ignore[arg-type]
+        await self.run_record.set(paused=self.state.paused, stop_requested=self.state.stop_requested)
         await self.notify()
 
     async def record(self, result: EpisodeResult) -> None:
@@ -133,6 +158,7 @@ class Coordinator:
         if len(self.episodes) > EPISODE_CACHE:
             self.episodes.pop(next(iter(self.episodes)))
         await self.bus.redis.hset(self.bus.streams.episodes(), result.episode_id, json.dumps(rec))
+        await self.run_record.count_episode()
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
 
@@ -184,36 +210,53 @@ class Coordinator:
         wanting = [self.state.agents[a] for a in self.trained(roles) if self.state.agents[a].wants_groups()]
         return bool(wanting) and not any(a.blocked_by_staleness() for a in wanting)
 
-    async def run_group(self, index: int, roles: dict[str, Player]) -> None:
-        env_cfg = self.cfg.environment
-        group_id = f"g{index:06d}-{new_id()[:8]}"
+    async def play_group(self, index: int, roles: dict[str, Player], group_id: str) -> list[EpisodeResult]:
+        envs = self.env_cls.make_group(self.cfg.environment.params, self.cfg.run.seed * 1_000_003 + index,
+                                       self.cfg.environment.group_size)
+        sampling = self.sampling_for(roles)
+        results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling) for e in envs))
+        return [r for r in results if r is not None]
+
+    async def run_group(self, index: int, roles: dict[str, Player], group_id: str) -> None:
+        """Play one group and emit its samples; every agent's part ends in the ledger (ledger.py):
+        emitted (the buffer decides), or abandoned here with the reason."""
         agents = self.trained(roles)
         roles = self.resolve_pool(roles)
         emitted: set[str] = set()
+        timeout = self.cfg.run.group_timeout_s
         try:
-            envs = self.env_cls.make_group(env_cfg.params, self.cfg.run.seed * 1_000_003 + index,
-                                           env_cfg.group_size)
-            sampling = self.sampling_for(roles)
-            results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling) for e in envs))
-            done = [r for r in results if r is not None]
+            done = await asyncio.wait_for(self.play_group(index, roles, group_id), timeout)
             counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask))
                       for a in agents}
-            rewards: dict[str, list[float]] = {a: [] for a in agents}
-            for r in done:
-                for sample in r.samples(counts):
-                    await self.bus.publish(self.bus.streams.samples(sample.agent), sample)
-                    emitted.add(sample.agent)
-                    rewards[sample.agent].append(sample.reward)
-            for agent, rs in rewards.items():
-                if rs:
-                    self.state.agents[agent].group_rewards.append((time.time(), sum(rs) / len(rs)))
-        except Exception:
+            samples = [sample for r in done for sample in r.samples(counts)]
+            empty = {a: "episode error: every episode of the group failed" if not done else "no turn in any episode"
+                     for a in agents if not counts[a]}
+            means = await self.ledger.emit(group_id, samples, empty)
+            emitted = set(means)
+            for agent, mean in means.items():
+                self.state.agents[agent].group_rewards.append((time.time(), mean))
+            for agent, reason in empty.items():
+                self.state.agents[agent].resolve_group(group_id, "abandoned", reason)
+        except TimeoutError:
+            await self.abandon(group_id, agents, f"timeout: still playing after {timeout:g}s")
+        except asyncio.CancelledError:
+            await self.abandon(group_id, agents, "run stopped")
+            raise
+        except Exception as exc:
             log.exception("group %s failed", group_id)
-        finally:  # an agent with nothing in this group gets no verdict from its buffer
-            for agent in agents - emitted:
-                self.state.agents[agent].resolve_group(group_id, "empty")
+            await self.abandon(group_id, agents, f"episode error: {exc!r}")
+        finally:
             self.check_starved(agents, emitted)
             await self.notify()
+
+    async def abandon(self, group_id: str, agents: set[str], reason: str) -> None:
+        log.warning("group %s abandoned: %s", group_id, reason)
+        try:
+            await self.ledger.abandon(group_id, agents, reason)
+        except Exception:  # Redis unreachable: the ledger keeps "playing", which a restart abandons
+            log.exception("cannot record group %s as abandoned", group_id)
+        for agent in agents:
+            self.state.agents[agent].resolve_group(group_id, "abandoned", reason)
 
     def check_starved(self, agents: set[str], emitted: set[str]) -> None:
         """Stop the run when an agent got no turn in MAX_EMPTY_GROUPS groups in a row: with these
@@ -237,9 +280,12 @@ class Coordinator:
                     not self.state.paused and self.may_launch(r)))
             if self.state.stop_requested or self.all_finished():
                 break
-            for agent in self.trained(roles):
+            index, agents = self.state.groups_launched, self.trained(roles)
+            group_id = f"g{index:06d}-{new_id()[:8]}"
+            await self.ledger.launch(group_id, index, agents)
+            for agent in agents:
                 self.state.agents[agent].in_flight_groups += 1
-            task = asyncio.create_task(self.run_group(self.state.groups_launched, roles))
+            task = asyncio.create_task(self.run_group(index, roles, group_id))
             self.group_tasks.add(task)
             task.add_done_callback(self.group_tasks.discard)
             self.state.groups_launched += 1
@@ -291,19 +337,52 @@ class Coordinator:
                     await asyncio.wait_for(self.changed.wait(), min(left, 30.0))
 
     async def run(self) -> None:
+        """The run from where the run record stands: evaluations already done are not repeated."""
         await self.wait_for_engines()
-        self.state.phase = "eval_start"
-        if self.cfg.environment.eval.episodes:
+        done = {e["label"] for e in self.evals}
+        if self.cfg.environment.eval.episodes and "start" not in done:
+            self.state.phase = "eval_start"
             for agent, score in (await self.evaluate_all("start")).items():
                 self.state.agents[agent].eval_start = score
+            await self.save_evals()
         await self.training_loop()
         if self.state.stop_requested:
             for task in self.group_tasks:
                 task.cancel()
         if self.group_tasks:
             await asyncio.gather(*self.group_tasks, return_exceptions=True)
-        if not self.state.stop_requested and self.cfg.environment.eval.episodes:
+        await self.run_record.set(stop_requested=self.state.stop_requested, error=self.state.error)
+        if not self.state.stop_requested and self.cfg.environment.eval.episodes and "end" not in done:
             self.state.phase = "eval_end"
             for agent, score in (await self.evaluate_all("end")).items():
                 self.state.agents[agent].eval_end = score
+            await self.save_evals()
         self.state.phase = "stopped" if self.state.stop_requested else "done"
+
+    async def save_evals(self) -> None:
+        new, self.evals_saved = self.evals[self.evals_saved:], len(self.evals)
+        await self.run_record.add_evals(new)
+
+    async def run_and_report(self, server: Any | None = None) -> None:
+        """Run, write the report, then tell every service to stop (and the API server to exit)."""
+        await self.run()
+        await self.save_evals()
+        wall = time.time() - self.state.started_at
+        path = await asyncio.to_thread(write_report, self.state, self.evals, self.cfg.run_dir(), wall)
+        log.info("report written to %s", path)
+        await self.bus.publish(self.bus.streams.control, Control(command="stop", args={"reason": self.state.phase}))
+        if server is not None:
+            server.should_exit = True
+
+    async def housekeeping(self, stop: asyncio.Event) -> None:
+        """Every ``run.trim_interval_s`` (0: never): save new evaluation reports (on-demand ones), and
+        trim what every consumer group has acknowledged."""
+        s, cfg = self.bus.streams, self.cfg
+        streams = [s.events, s.control, s.replies(self.name)] + [
+            f(a) for a in cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), cfg.run.trim_interval_s or 30.0)
+            await self.save_evals()
+            for name in streams if cfg.run.trim_interval_s else []:
+                await self.bus.trim_acknowledged(name)

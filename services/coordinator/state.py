@@ -3,7 +3,7 @@
 The launch gate (DESIGN §4) lives here: agent X blocks a new group while
 ``kept + in_flight >= (loaded_version + max_staleness + 1) * groups_per_batch``.
 ``kept`` counts groups the buffer accepted, so a group it drops (stale,
-filtered, or one the agent had no turn in) is replaced; with
+filtered) or one abandoned (see ledger.py) is replaced; with
 ``max_staleness = 0`` no group for step k+1 starts before version k+1 is
 loaded on every engine. A group starts when some agent in it still wants
 groups and no agent that still wants groups is blocked.
@@ -29,21 +29,23 @@ class AgentState:
     versions_loaded: list[int] = field(default_factory=list)
     kept_groups: int = 0
     dropped_groups: int = 0
+    abandoned_groups: int = 0
     in_flight_groups: int = 0
     train_steps: list[dict[str, Any]] = field(default_factory=list)
     group_rewards: list[tuple[float, float]] = field(default_factory=list)  # (time, mean reward)
     eval_start: float | None = None
     eval_end: float | None = None
     group_status: dict[str, str] = field(default_factory=dict)
+    abandon_reasons: dict[str, int] = field(default_factory=dict)  # reason -> groups
     rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout_load event's data
 
-    def resolve_group(self, group_id: str, outcome: str) -> None:
-        """Apply a group's outcome ("kept", "dropped", "empty") once; repeats are ignored.
+    def resolve_group(self, group_id: str, outcome: str, reason: str = "") -> None:
+        """Apply a group's outcome ("kept", "dropped", "abandoned") once; repeats are ignored.
 
-        A group moves in flight → kept | dropped | empty, and kept → dropped when the
-        buffer finds it stale at release."""
+        A group moves in flight → kept | dropped | abandoned, and kept → dropped when the
+        buffer finds it stale at release (the ledger's rule, ledger.py)."""
         prev = self.group_status.get(group_id)
-        if prev == outcome or prev in ("dropped", "empty") or (prev == "kept" and outcome != "dropped"):
+        if prev == outcome or prev in ("dropped", "abandoned") or (prev == "kept" and outcome != "dropped"):
             return
         if prev is None:
             self.in_flight_groups = max(0, self.in_flight_groups - 1)
@@ -53,7 +55,32 @@ class AgentState:
             self.kept_groups += 1
         elif outcome == "dropped":
             self.dropped_groups += 1
+        elif outcome == "abandoned":
+            self.abandoned_groups += 1
+            key = reason.split(":")[0] or "unknown"
+            self.abandon_reasons[key] = self.abandon_reasons.get(key, 0) + 1
+        else:
+            raise ValueError(f"group {group_id}: unknown outcome {outcome!r}")
         self.group_status[group_id] = outcome
+
+    def restore_versions(self, loaded: int, records: list[dict[str, Any]]) -> None:
+        """Versions as their owners hold them: ``loaded`` on the engines; the trainer's log records."""
+        self.loaded_version = max(self.loaded_version, loaded)
+        for rec in records:
+            if rec["version"] <= loaded and rec["version"] not in self.versions_loaded:
+                self.versions_loaded.append(rec["version"])
+            if all(t.get("version") != rec["version"] for t in self.train_steps):
+                self.train_steps.append({**rec.get("metrics", {}), "version": rec["version"], "time": None})
+
+    def restore_groups(self, outcomes: list[tuple[str, str, str, float, float | None]]) -> None:
+        """Groups as the ledger holds them: (group id, state, reason, time, mean reward), by time."""
+        for gid, state, reason, at, reward in sorted(outcomes, key=lambda o: o[3]):
+            if gid not in self.group_status:
+                self.in_flight_groups += 1
+                if state not in ("playing", "emitted"):
+                    self.resolve_group(gid, state, reason)
+            if reward is not None:
+                self.group_rewards.append((at, reward))
 
     @property
     def claimed(self) -> int:
@@ -93,6 +120,12 @@ class RunState:
         }
         return cls(cfg=cfg, agents=agents)
 
+    def restore_evals(self, evals: list[dict[str, Any]]) -> None:
+        for ev in evals:
+            for agent, score in ev["scores"].items():
+                if agent in self.agents and ev["label"] in ("start", "end"):
+                    setattr(self.agents[agent], f"eval_{ev['label']}", score)
+
     def episodes_per_s(self, window: float = 30.0) -> float:
         now = time.time()
         recent = [t for t in self.episode_times if now - t <= window]
@@ -113,7 +146,7 @@ class RunState:
                 "recent_group_reward": (sum(r for _, r in a.group_rewards[-16:]) / len(a.group_rewards[-16:])
                                         if a.group_rewards else None),
                 "groups": {"kept": a.kept_groups, "dropped": a.dropped_groups,
-                           "in_flight": a.in_flight_groups},
+                           "abandoned": a.abandoned_groups, "in_flight": a.in_flight_groups},
                 "eval_start": a.eval_start,
                 "eval_end": a.eval_end,
                 "max_staleness": a.max_staleness,
