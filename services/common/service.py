@@ -142,7 +142,8 @@ async def run_service(name: str, bus: Bus, stop: asyncio.Event, *loops: Awaitabl
             await bus.close()
             raise RuntimeError(f"cannot serve the health endpoint on port {port}: {exc}") from exc
         log.info("health endpoint on :%d/health", health.port)
-    await bus.retrying("record its start", lambda: record_start(bus.redis, bus.streams.key(SERVICE_STARTS), bus.service))
+    starts = bus.streams.key(SERVICE_STARTS)
+    await bus.retrying("record its start", lambda: record_start(bus.redis, starts, bus.service))
     install_signal_handlers(stop)
     tasks.extend(asyncio.ensure_future(x) for x in loops)
     try:
