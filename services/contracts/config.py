@@ -7,6 +7,7 @@ fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -23,12 +24,33 @@ BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "ppo", "gspo", "cispo", "reinforce_pp",
                       "dpo")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; configs are strict, so read it as the float it means."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field."""
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every config section: unknown fields, lax coercion (``"1.0"`` for a number, ``"yes"`` for a bool)
+    and non-finite floats (``.inf``, ``.nan``) are errors naming the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class AlgorithmConfig(Strict):
@@ -118,6 +140,17 @@ class AgentConfig(Strict):
     megatron: MegatronLayout = Field(default_factory=MegatronLayout)
     train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
 
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _strict_sampling(cls, v: Any) -> Any:
+        """SamplingParams is a wire model (lax there for now); in a config it is as strict as the rest."""
+        if isinstance(v, dict):
+            bad = [k for k, x in v.items() if isinstance(x, float) and not math.isfinite(x)]
+            if bad:
+                raise ValueError(f"{bad[0]}: must be a finite number")
+            return SamplingParams.model_validate(v, strict=True)
+        return v
+
     @model_validator(mode="after")
     def _ports_fit(self) -> AgentConfig:
         if self.engine_base_port and self.engine_base_port + self.num_engines - 1 > 65535:
@@ -167,6 +200,12 @@ class RunConfig(Strict):
     output_dir: str = "runs"
     trim_interval_s: float = Field(30.0, ge=0, description="trim acknowledged stream entries every N seconds; "
                                    "0 keeps every entry (audits, tests)")
+    max_restarts: int = Field(5, ge=0, description="tandem up: restarts of one service (Redis included) allowed "
+                              "within restart_window_s before the run stops; 0 = a dying service stops the run")
+    restart_window_s: float = Field(600.0, gt=0, description="the sliding window max_restarts counts in")
+    redis_appendfsync: Literal["everysec", "always"] = Field(
+        "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of writes on a machine "
+        "crash (none on a Redis crash); always loses none (see README, Recovery)")
 
 
 class ApiConfig(Strict):
@@ -221,7 +260,7 @@ def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
-    node[path[-1]] = yaml.safe_load(value) if value != "" else ""
+    node[path[-1]] = yaml_load(value) if value != "" else ""
 
 
 def apply_env_overrides(data: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -256,7 +295,7 @@ def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Tand
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
