@@ -100,19 +100,40 @@ def _walk_override(key: str, cfg: TandemConfig) -> None:
 
 # ---- validity ---------------------------------------------------------------------------------------------------
 
+SHARED = {"redis", "redis-password"}  # in every topology
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 def test_compose_profile_is_valid(profile):
     res = run_compose("--profile", profile, "config", "-q")
     assert res.returncode == 0 and not res.stderr.strip(), res.stderr
     names = set(run_compose("--profile", profile, "config", "--services").stdout.split())
-    assert {"redis"} < names and all(n == "redis" or profile in (compose(profile)[1]["services"][n].get("profiles")
-                                                                  or []) for n in names)
+    assert SHARED < names and all(n in SHARED or profile in (compose(profile)[1]["services"][n].get("profiles")
+                                                             or []) for n in names)
+
+
+def test_a_bare_compose_up_runs_the_whole_cpu_topology_and_gpu_is_one_flag_away():
+    bare = run_compose("config", "--services")
+    assert bare.returncode == 0 and not bare.stderr.strip(), bare.stderr
+    cpu = set(run_compose("--profile", "cpu", "config", "--services").stdout.split())
+    gpu = set(run_compose("--profile", "gpu", "config", "--services").stdout.split())
+    assert set(bare.stdout.split()) == cpu and cpu & gpu == SHARED
+    services = {c.module for c in containers("compose", "cpu") if c.module}
+    assert services == SERVICES  # coordinator, and per agent rollout, buffer, trainer
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_compose_refuses_to_start_without_a_redis_password(profile):
-    res = run_compose("--profile", profile, "config", "-q", password=None)
-    assert "required variable REDIS_PASSWORD is missing" in res.stderr
+def test_compose_runs_without_a_redis_password_given_and_redis_still_requires_one(profile):
+    """No REDIS_PASSWORD: one is generated into the volume redis-secret; set, it is the one used."""
+    res = run_compose("--profile", profile, "config", password=None)
+    assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+    services = yaml.safe_load(res.stdout)["services"]
+    gen = services["redis-password"]
+    script = " ".join(gen["command"]).replace("$$", "$")  # the rendered file keeps compose's $$ escape
+    assert gen["environment"]["REDIS_PASSWORD"] == "" and "/dev/urandom" in script and "[ ! -s $f ]" in script
+    assert "$REDIS_PASSWORD" in script  # a given password wins
+    assert "$(cat /secret/redis-password)" in " ".join(services["redis"]["command"]).replace("$$", "$")
+    assert services["redis"]["depends_on"]["redis-password"]["condition"] == "service_completed_successfully"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -141,10 +162,21 @@ def test_validator_is_offline_and_strict():
 
 # ---- Redis is never reachable without its password ----------------------------------------------------------------
 
+def _redis_password_source(c: Container) -> str:
+    """Where a Tandem container's Redis password comes from: its URL, or the file it names (mounted)."""
+    url = urlparse(c.env["TANDEM_REDIS_URL"])
+    assert url.scheme == "redis", c.where
+    if url.password:
+        return "url"
+    path = c.env.get("TANDEM_REDIS_PASSWORD_FILE", "")
+    assert path and str(Path(path).parent) in mounts(c), f"{c.where}: Redis URL without a password"
+    return path
+
+
 @pytest.mark.parametrize("kind,name", topologies())
 def test_redis_needs_its_password_and_is_not_published(kind, name):
     cs = containers(kind, name)
-    redis = [c for c in cs if c.image.startswith("redis:")]
+    redis = [c for c in cs if "redis-server" in " ".join(c.command)]
     assert len(redis) == 1 and re.match(r"redis:\d+\.\d+\.\d+", redis[0].image)
     assert "--requirepass" in " ".join(redis[0].command)
     if kind == "compose":
@@ -158,8 +190,11 @@ def test_redis_needs_its_password_and_is_not_published(kind, name):
                     and d["spec"]["selector"] == svc["spec"]["selector"]]
     for c in cs:
         if "TANDEM_REDIS_URL" in c.env:
-            url = urlparse(c.env["TANDEM_REDIS_URL"])
-            assert url.scheme == "redis" and url.password, f"{c.where}: Redis URL without a password"
+            source = _redis_password_source(c)
+            if source != "url":  # the file Redis itself reads its password from, on the same volume
+                volume = next(v["source"] for v in c.extra["service"]["volumes"] if v["target"] == "/secret")
+                assert {"type": "volume", "source": volume, "target": "/secret", "read_only": True}.items() <= \
+                    next(v for v in redis[0].extra["service"]["volumes"] if v["target"] == "/secret").items()
 
 
 # ---- consistency with the code ------------------------------------------------------------------------------------
@@ -180,17 +215,31 @@ def _config_of(c: Container, kind: str, name: str) -> tuple[Path, TandemConfig]:
     for key in c.env:
         if key.startswith("TANDEM__"):
             _walk_override(key, load_config(local, environ={}))
+    env = dict(c.env)
+    if "TANDEM_REDIS_PASSWORD_FILE" in env:  # the mounted secret, as the container would read it
+        env["TANDEM_REDIS_PASSWORD_FILE"] = str(_secret_file())
     try:
-        return local, load_config(local, environ=c.env)
+        cfg = load_config(local, environ=env)
+        assert "TANDEM_REDIS_PASSWORD_FILE" not in env or urlparse(cfg.redis_url).password == "test-secret"
+        return local, cfg
     except ConfigError as exc:
         raise AssertionError(f"{c.where}: {exc}") from None
+
+
+@cache
+def _secret_file() -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="tandem-secret-")) / "redis-password"
+    path.write_text("test-secret\n")
+    return path
 
 
 def _redis_target_exists(c: Container, kind: str, name: str) -> None:
     url = urlparse(c.env["TANDEM_REDIS_URL"])
     if kind == "compose":
         svc = compose(name)[1]["services"].get(url.hostname)
-        assert svc and svc["image"].startswith("redis:") and (url.port or 6379) == 6379, c.where
+        assert svc and "redis-server" in " ".join(svc["command"]) and (url.port or 6379) == 6379, c.where
     else:
         docs = k8s(name)[1]
         svc = next((d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == url.hostname), None)
@@ -374,3 +423,38 @@ def test_every_health_condition_has_a_health_check(profile):
                 continue
             assert "HEALTHCHECK" in files.get(target["image"].split(":")[0], ""), f"{name} waits on {dep}: no check"
             assert int(target["environment"].get("TANDEM_HEALTH_PORT", 0)) > 0, f"{dep}: its HEALTHCHECK has no port"
+
+
+# ---- recovery: what restarts a dead service, and where its state survives -----------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_restarts_crashed_services_and_keeps_redis_on_its_aof(profile):
+    services = compose(profile)[1]["services"]
+    for c in containers("compose", profile):
+        svc = c.extra["service"]
+        if c.module:  # a crash (non-zero exit) restarts it; the exit 0 of a finished run does not
+            assert svc["restart"] == "on-failure", f"{c.where}: restart {svc.get('restart')}"
+    redis = services["redis"]
+    assert redis["restart"] == "unless-stopped" and "--appendonly yes" in " ".join(redis["command"])
+    assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
+    for one_shot in ("redis-password", "init-model"):
+        if one_shot in services:
+            assert services[one_shot]["restart"] == "no"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_restarts_pods_and_keeps_redis_on_its_aof(overlay):
+    docs = k8s(overlay)[1]
+    for c in k8s(overlay)[0]:
+        doc = c.extra["doc"]
+        policy = doc["spec"]["template"]["spec"].get("restartPolicy", "Always")
+        assert policy == ("OnFailure" if doc["kind"] == "Job" else "Always"), c.where
+        if c.module and not c.extra["init"]:
+            assert "livenessProbe" in c.extra["container"], f"{c.where}: a hung service is never restarted"
+            if doc["kind"] == "Deployment":  # one coordinator / rollout / buffer at a time
+                assert doc["spec"].get("strategy", {}).get("type") == "Recreate", c.where
+    redis = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "redis")
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert "--appendonly yes" in " ".join(container["command"])
+    claim = redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert {"name": claim, "mountPath": "/data"} in container["volumeMounts"]

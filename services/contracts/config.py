@@ -2,7 +2,8 @@
 
 Every service reads the same file. Environment variables override single
 fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and
-``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``).
+``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``);
+``TANDEM_REDIS_PASSWORD_FILE`` puts the password in that file (a mounted secret) into the Redis URL.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -263,10 +265,25 @@ def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
     node[path[-1]] = yaml_load(value) if value != "" else ""
 
 
+def with_password(url: str, password_file: str) -> str:
+    """``url`` with the password read from ``password_file`` (a mounted secret), URL-quoted."""
+    try:
+        password = Path(password_file).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"TANDEM_REDIS_PASSWORD_FILE: cannot read {password_file}: {exc.strerror}") from None
+    parts = urlsplit(url)
+    if not password or not parts.hostname:
+        raise ConfigError(f"TANDEM_REDIS_PASSWORD_FILE: {password_file} is empty or redis_url has no host")
+    netloc = f"{quote(parts.username or '', safe='')}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def apply_env_overrides(data: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
     if "TANDEM_REDIS_URL" in env:
         data["redis_url"] = env["TANDEM_REDIS_URL"]
+    if env.get("TANDEM_REDIS_PASSWORD_FILE") and data.get("redis_url"):
+        data["redis_url"] = with_password(str(data["redis_url"]), env["TANDEM_REDIS_PASSWORD_FILE"])
     if "TANDEM_RUN_NAME" in env:
         data.setdefault("run", {})["name"] = env["TANDEM_RUN_NAME"]
     for key, value in env.items():
