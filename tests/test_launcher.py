@@ -329,12 +329,12 @@ def _train_logs(run: str, redis_url: str | None, data: Path | None) -> dict[str,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("redis", ["embedded", "external"])
-def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, tiny_model_dir, redis, request):
+def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, warm_model_dir, redis, request):
     """SIGINT mid-training, then --resume: every step once, no sample trained twice, the end evaluation."""
     total = 4
     extra = {"redis_url": request.getfixturevalue("redis_url")} if redis == "external" else {}
     log = tmp_path / "launcher.log"
-    path, _ = _config(tmp_path, tiny_model_dir, "resumed", total_steps=total)
+    path, _ = _config(tmp_path, warm_model_dir, "resumed", total_steps=total)
     data = yaml.safe_load(path.read_text())
     data.update(extra)
     path.write_text(yaml.safe_dump(data))

@@ -3,7 +3,8 @@
 Every child gets the parent-death signal (Linux), so none outlives the launcher, even one killed
 by SIGKILL; each child's output goes to ``runs/<run>/logs/<name>.log`` and, prefixed with its
 name, to the console. ``ProcessGroup.supervise`` restarts a child that exited unexpectedly (a
-non-zero exit code or a signal: services exit 0 only when told to stop) in place, with
+non-zero exit code or a signal: services exit 0 only when told to stop; 2, a bad config, and 3,
+a run that failed for good, are never restarted) in place, with
 exponential backoff, as long as the ``RestartBudget`` allows: at most ``max_restarts`` restarts
 of one service within a sliding window of ``window_s`` seconds. Past it, ``ServiceFailed`` names
 the service and its exit code.
@@ -25,6 +26,9 @@ from pathlib import Path
 import httpx
 
 from services.common.lifetime import die_with_parent
+
+# exit codes a restart cannot fix: the run stops at once, naming the reason
+PERMANENT_EXITS = {2: "a bad config", 3: "the run failed"}
 
 
 class ServiceFailed(RuntimeError):
@@ -139,6 +143,9 @@ class ProcessGroup:
                 continue
             if c.due is None:
                 code = c.exit_code()
+                if code in PERMANENT_EXITS:
+                    raise ServiceFailed(f"{c.name} exited with code {code} ({PERMANENT_EXITS[code]}); stopping the "
+                                        f"run (see {self.log_dir / (c.name + '.log')})")
                 if not self.budget.allows(c.history, now):
                     raise ServiceFailed(f"{c.name} died (exit code {code}) after {self.budget.recent(c.history, now)}"
                                         f" restart(s) within {self.budget.window_s:.0f}s (run.max_restarts="
