@@ -128,8 +128,8 @@ def _all_gone(children: dict[int, str]) -> None:
         assert not alive, f"child {pid} ({cmd}) outlived the launcher"
 
 
-def _victim(children: dict[int, str], what: str) -> int:
-    return next(pid for pid, cmd in children.items() if what in cmd)
+def _victim(children: dict[int, str], *parts: str) -> int:
+    return next(pid for pid, cmd in children.items() if all(p in cmd for p in parts))
 
 
 @pytest.mark.slow
@@ -139,7 +139,7 @@ def test_a_killed_service_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_
     try:
         _wait_for(lambda: _steps(proc) >= 1, 240, "training step", proc, log)
         for what in ("services.buffer --config", "services.trainer --config"):
-            os.kill(_victim(_children(proc.pid), what), signal.SIGKILL)
+            os.kill(_victim(_children(proc.pid), what, "--agent A"), signal.SIGKILL)
             before = _steps(proc)
             back = _wait_for(lambda b=before: _steps(proc) > b, 240, f"step after killing {what}", proc, log)
             print(f"{what}: progress again {back:.1f}s after SIGKILL")
@@ -160,9 +160,9 @@ def test_past_the_restart_budget_the_run_stops_naming_the_service(tmp_path, tiny
     log = tmp_path / "launcher.log"
     proc, children = _start_run(tmp_path, tiny_model_dir, "dies", log=log, max_restarts=1)
     try:
-        os.kill(_victim(children, "services.buffer --config"), signal.SIGKILL)
+        os.kill(_victim(children, "services.buffer --config", "--agent A"), signal.SIGKILL)
         _wait_for(lambda: "buffer.A restarted (restart 1)" in log.read_text(), 60, "restart", proc, log)
-        os.kill(_victim(_children(proc.pid), "services.buffer --config"), signal.SIGKILL)
+        os.kill(_victim(_children(proc.pid), "services.buffer --config", "--agent A"), signal.SIGKILL)
         assert proc.wait(60) == 1
     finally:
         _stop(proc, signal.SIGKILL)
