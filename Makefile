@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/demo.yaml
+# make run UP_FLAGS=--resume continues the demo run; UP_FLAGS=--fresh deletes it and starts over
+UP_FLAGS ?=
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
 
@@ -23,7 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 run: install
 	$(VENV)/bin/tandem init-demo models/demo-ttt
-	$(VENV)/bin/tandem up $(CONFIG)
+	$(VENV)/bin/tandem up $(CONFIG) $(UP_FLAGS)
 
 test: install
 	$(VENV)/bin/ruff check services tests

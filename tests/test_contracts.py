@@ -138,3 +138,53 @@ def test_env_overrides_single_fields():
     cfg = load_config("configs/demo.yaml", environ={"TANDEM_REDIS_URL": "redis://x:1/0",
                                                    "TANDEM__agents__B__max_staleness": "3"})
     assert cfg.redis_url == "redis://x:1/0" and cfg.agents["B"].max_staleness == 3
+
+
+@pytest.mark.parametrize("mutate, field, reason", [
+    (lambda d: d["agents"]["A"]["algorithm"].update(lr=float("inf")), "agents.A.algorithm.lr", "finite"),
+    (lambda d: d["agents"]["B"]["algorithm"].update(clip_eps_high=float("nan")), "agents.B.algorithm.clip_eps_high",
+     "finite"),
+    (lambda d: d["run"].update(trim_interval_s=float("inf")), "run.trim_interval_s", "finite"),
+    (lambda d: d["environment"]["eval"].update(temperature=float("inf")), "environment.eval.temperature", "finite"),
+    (lambda d: d["agents"]["A"]["sampling"].update(temperature=float("inf")), "agents.A.sampling", "finite"),
+    (lambda d: d["agents"]["A"]["algorithm"].update(lr="0.001"), "agents.A.algorithm.lr", "valid number"),
+    (lambda d: d["agents"]["A"]["sampling"].update(temperature="1.0"), "agents.A.sampling.temperature",
+     "valid number"),
+    (lambda d: d["agents"]["A"].update(groups_per_batch="16"), "agents.A.groups_per_batch", "valid integer"),
+    (lambda d: d["run"].update(total_steps=12.0), "run.total_steps", "valid integer"),
+    (lambda d: d["agents"]["A"].update(train="yes"), "agents.A.train", "valid boolean"),
+    (lambda d: d["run"].update(max_restarts=-1), "run.max_restarts", "greater than or equal"),
+    (lambda d: d["run"].update(restart_window_s=0), "run.restart_window_s", "greater than"),
+    (lambda d: d["run"].update(redis_appendfsync="no"), "run.redis_appendfsync", "everysec"),
+])
+def test_config_is_strict_and_finite(mutate, field, reason):
+    data = _demo()
+    mutate(data)
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, "demo")
+    assert field in str(err.value) and reason in str(err.value), str(err.value)
+
+
+def test_config_numbers_read_as_meant(tmp_path):
+    text = Path("configs/demo.yaml").read_text().replace("lr: 0.001", "lr: 1e-3").replace("total_steps: 12",
+                                                                                          "total_steps: 1_2")
+    path = tmp_path / "demo.yaml"
+    path.write_text(text)
+    cfg = load_config(path, environ={"TANDEM__agents__B__algorithm__lr": "2e-4", "TANDEM__run__max_restarts": "0"})
+    assert cfg.agents["A"].algorithm.lr == 0.001 and cfg.agents["B"].algorithm.lr == 0.0002
+    assert cfg.run.total_steps == 12 and cfg.run.max_restarts == 0
+    assert (cfg.run.restart_window_s, cfg.run.redis_appendfsync) == (600.0, "everysec")
+
+
+def test_redis_password_file_goes_into_the_url(tmp_path):
+    secret = tmp_path / "redis-password"
+    secret.write_text("p@ss/word\n")
+    cfg = load_config("configs/demo.yaml", environ={"TANDEM_REDIS_URL": "redis://redis:6379/0",
+                                                   "TANDEM_REDIS_PASSWORD_FILE": str(secret)})
+    assert cfg.redis_url == "redis://:p%40ss%2Fword@redis:6379/0"
+    import redis
+
+    assert redis.Redis.from_url(cfg.redis_url).connection_pool.connection_kwargs["password"] == "p@ss/word"
+    with pytest.raises(ConfigError, match="TANDEM_REDIS_PASSWORD_FILE: cannot read"):
+        load_config("configs/demo.yaml", environ={"TANDEM_REDIS_URL": "redis://redis:6379/0",
+                                                 "TANDEM_REDIS_PASSWORD_FILE": str(tmp_path / "missing")})

@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 from urllib.parse import urlparse
@@ -100,19 +101,16 @@ def _walk_override(key: str, cfg: TandemConfig) -> None:
 
 # ---- validity ---------------------------------------------------------------------------------------------------
 
+SHARED = {"redis", "redis-password"}  # in every topology
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 def test_compose_profile_is_valid(profile):
     res = run_compose("--profile", profile, "config", "-q")
     assert res.returncode == 0 and not res.stderr.strip(), res.stderr
     names = set(run_compose("--profile", profile, "config", "--services").stdout.split())
-    assert {"redis"} < names and all(n == "redis" or profile in (compose(profile)[1]["services"][n].get("profiles")
-                                                                  or []) for n in names)
-
-
-@pytest.mark.parametrize("profile", PROFILES)
-def test_compose_refuses_to_start_without_a_redis_password(profile):
-    res = run_compose("--profile", profile, "config", "-q", password=None)
-    assert "required variable REDIS_PASSWORD is missing" in res.stderr
+    assert SHARED < names and all(n in SHARED or profile in (compose(profile)[1]["services"][n].get("profiles")
+                                                             or []) for n in names)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -141,10 +139,21 @@ def test_validator_is_offline_and_strict():
 
 # ---- Redis is never reachable without its password ----------------------------------------------------------------
 
+def _redis_password_source(c: Container) -> str:
+    """Where a Tandem container's Redis password comes from: its URL, or the file it names (mounted)."""
+    url = urlparse(c.env["TANDEM_REDIS_URL"])
+    assert url.scheme == "redis", c.where
+    if url.password:
+        return "url"
+    path = c.env.get("TANDEM_REDIS_PASSWORD_FILE", "")
+    assert path and str(Path(path).parent) in mounts(c), f"{c.where}: Redis URL without a password"
+    return path
+
+
 @pytest.mark.parametrize("kind,name", topologies())
 def test_redis_needs_its_password_and_is_not_published(kind, name):
     cs = containers(kind, name)
-    redis = [c for c in cs if c.image.startswith("redis:")]
+    redis = [c for c in cs if "redis-server" in " ".join(c.command)]
     assert len(redis) == 1 and re.match(r"redis:\d+\.\d+\.\d+", redis[0].image)
     assert "--requirepass" in " ".join(redis[0].command)
     if kind == "compose":
@@ -158,8 +167,11 @@ def test_redis_needs_its_password_and_is_not_published(kind, name):
                     and d["spec"]["selector"] == svc["spec"]["selector"]]
     for c in cs:
         if "TANDEM_REDIS_URL" in c.env:
-            url = urlparse(c.env["TANDEM_REDIS_URL"])
-            assert url.scheme == "redis" and url.password, f"{c.where}: Redis URL without a password"
+            source = _redis_password_source(c)
+            if source != "url":  # the file Redis itself reads its password from, on the same volume
+                volume = next(v["source"] for v in c.extra["service"]["volumes"] if v["target"] == "/secret")
+                assert {"type": "volume", "source": volume, "target": "/secret", "read_only": True}.items() <= \
+                    next(v for v in redis[0].extra["service"]["volumes"] if v["target"] == "/secret").items()
 
 
 # ---- consistency with the code ------------------------------------------------------------------------------------
@@ -180,17 +192,29 @@ def _config_of(c: Container, kind: str, name: str) -> tuple[Path, TandemConfig]:
     for key in c.env:
         if key.startswith("TANDEM__"):
             _walk_override(key, load_config(local, environ={}))
+    env = dict(c.env)
+    if "TANDEM_REDIS_PASSWORD_FILE" in env:  # the mounted secret, as the container would read it
+        env["TANDEM_REDIS_PASSWORD_FILE"] = str(_secret_file())
     try:
-        return local, load_config(local, environ=c.env)
+        cfg = load_config(local, environ=env)
+        assert "TANDEM_REDIS_PASSWORD_FILE" not in env or urlparse(cfg.redis_url).password == "test-secret"
+        return local, cfg
     except ConfigError as exc:
         raise AssertionError(f"{c.where}: {exc}") from None
+
+
+@cache
+def _secret_file() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="tandem-secret-")) / "redis-password"
+    path.write_text("test-secret\n")
+    return path
 
 
 def _redis_target_exists(c: Container, kind: str, name: str) -> None:
     url = urlparse(c.env["TANDEM_REDIS_URL"])
     if kind == "compose":
         svc = compose(name)[1]["services"].get(url.hostname)
-        assert svc and svc["image"].startswith("redis:") and (url.port or 6379) == 6379, c.where
+        assert svc and "redis-server" in " ".join(svc["command"]) and (url.port or 6379) == 6379, c.where
     else:
         docs = k8s(name)[1]
         svc = next((d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == url.hostname), None)

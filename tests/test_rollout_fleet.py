@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -237,6 +238,44 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"{engine.url}/get_model_info")).json()["weight_version"] == "2"
         assert fleet.latest == (str(tiny_model_dir), 2)
+    finally:
+        stop.set()
+        await fleet.close()
+
+
+@pytest.mark.slow
+async def test_a_dead_router_is_restarted_and_gets_its_engines_back(tiny_model_dir: Path) -> None:
+    """SIGKILL the real sglang-router: the fleet starts it again on its port, registers both live engines
+    with it on the version the fleet had loaded, and generation through it works again."""
+    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=2), interval=0.3)
+    stop = asyncio.Event()
+    try:
+        await fleet.start()
+        await fleet.load_weights(str(tiny_model_dir), 4)
+        watcher = asyncio.create_task(fleet.supervise(stop))
+        urls = sorted(e.url for e in fleet.engines)
+        assert sorted(await list_workers(fleet.router_url)) == urls
+        old = fleet.router.pid if fleet.router else 0
+        engine_pids = [e.proc.pid for e in fleet.engines if e.proc]
+        os.kill(old, signal.SIGKILL)
+        killed = time.monotonic()
+        for _ in range(600):
+            if fleet.router_restarts == 1 and fleet.healthy() == 2:
+                break
+            assert not watcher.done(), watcher.exception() if watcher.done() else ""
+            await asyncio.sleep(0.1)
+        back_s = time.monotonic() - killed
+        assert fleet.router_restarts == 1 and fleet.healthy() == 2, fleet.snapshot()
+        assert fleet.router and fleet.router.pid != old and fleet.router.returncode is None
+        assert sorted(await list_workers(fleet.router_url, healthy_only=True)) == urls
+        assert [e.proc.pid for e in fleet.engines if e.proc] == engine_pids  # the engines were kept
+        assert [e.weight_version for e in fleet.engines] == [4, 4]
+        async with EngineClient(fleet.router_url, timeout=30) as client:
+            res = await client.generate([5, 6], {"max_new_tokens": 3}, rid="after-router-restart")
+        assert res.weight_version == 4 and (len(res.output_ids) == 3 or res.finish_reason == "stop")
+        logging.getLogger("test").info("router back with its engines %.1fs after SIGKILL", back_s)
+        stop.set()
+        await watcher
     finally:
         stop.set()
         await fleet.close()

@@ -3,10 +3,12 @@
 
 Used by the local launcher when the config gives no Redis URL, and by the
 test suite, so neither depends on a Redis already running on the machine.
+It listens on 127.0.0.1 only and requires a generated password (in ``url``).
 """
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import socket
 import subprocess
@@ -15,6 +17,8 @@ import threading
 from pathlib import Path
 
 import redis
+
+from services.common.lifetime import die_with_parent
 
 
 def free_port() -> int:
@@ -36,43 +40,76 @@ def server_binary() -> str:
 
 
 class EmbeddedRedis:
-    """Start with ``start()``; ``url`` is then usable; ``stop()`` ends it."""
+    """Start with ``start()``; ``url`` (with the password) is then usable; ``stop()`` ends it.
 
-    def __init__(self, port: int | None = None, data_dir: str | Path | None = None,
-                 appendonly: bool = True) -> None:
+    The server takes its configuration on stdin, so the generated password never shows in a process
+    list; it listens on 127.0.0.1 only, logs to ``valkey.log`` in its data directory, and gets the
+    parent-death signal (it never outlives the process that started it). ``restart()`` starts it again
+    on the same port, password and AOF, so clients holding ``url`` reconnect to the same data.
+    """
+
+    def __init__(self, port: int | None = None, data_dir: str | Path | None = None, appendonly: bool = True,
+                 password: str | None = None, appendfsync: str = "everysec") -> None:
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
         self.data_dir = Path(data_dir) if data_dir else Path(self._tmp.name)  # type: ignore[union-attr]
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.password = secrets.token_hex(16) if password is None else password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def config_text(self) -> str:
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f'dir "{self.data_dir}"',
+                 'save ""', f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
+                 'logfile "valkey.log"']
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        return "\n".join(lines) + "\n"
 
     def start(self, timeout: float = 15.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-               "--dir", str(self.data_dir), "--save", "",
-               "--appendonly", "yes" if self.appendonly else "no",
-               "--appendfsync", "everysec", "--protected-mode", "yes"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen([server_binary(), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(self.config_text().encode())
+        self.proc.stdin.close()
         client = redis.Redis.from_url(self.url)
         waiter = threading.Event()
-        for _ in range(int(timeout / 0.05)):
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"embedded Redis exited at start: {err}")
-            try:
-                if client.ping():
-                    client.close()
-                    return self
-            except redis.ConnectionError:
-                waiter.wait(0.05)
+        try:
+            for _ in range(int(timeout / 0.05)):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"embedded Redis exited at start (code {self.proc.returncode}): "
+                                       f"{self.log_tail()}")
+                try:
+                    if client.ping():
+                        return self
+                except redis.BusyLoadingError:  # replaying a large AOF
+                    waiter.wait(0.05)
+                except redis.ConnectionError:
+                    waiter.wait(0.05)
+        finally:
+            client.close()
         self.stop()
         raise RuntimeError(f"embedded Redis did not answer on port {self.port} within {timeout}s")
 
-    def stop(self) -> None:
+    def log_tail(self, lines: int = 5) -> str:
+        log = self.data_dir / "valkey.log"
+        return " | ".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.is_file() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, timeout: float = 60.0) -> EmbeddedRedis:
+        """Start again on the same port, password and data (after it died, or to reload the AOF)."""
+        self._end()
+        return self.start(timeout)
+
+    def _end(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -81,6 +118,9 @@ class EmbeddedRedis:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+    def stop(self) -> None:
+        self._end()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -2,15 +2,18 @@
 
 Every service reads the same file. Environment variables override single
 fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and
-``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``).
+``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``);
+``TANDEM_REDIS_PASSWORD_FILE`` puts the password in that file (a mounted secret) into the Redis URL.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,12 +27,33 @@ BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "ppo", "gspo", "cispo", "reinforce_pp",
                       "dpo")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; configs are strict, so read it as the float it means."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field."""
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every config section: unknown fields, lax coercion (``"1.0"`` for a number, ``"yes"`` for a bool)
+    and non-finite floats (``.inf``, ``.nan``) are errors naming the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class AlgorithmConfig(Strict):
@@ -119,6 +143,17 @@ class AgentConfig(Strict):
     megatron: MegatronLayout = Field(default_factory=MegatronLayout)
     train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
 
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _strict_sampling(cls, v: Any) -> Any:
+        """SamplingParams is a wire model (lax there for now); in a config it is as strict as the rest."""
+        if isinstance(v, dict):
+            bad = [k for k, x in v.items() if isinstance(x, float) and not math.isfinite(x)]
+            if bad:
+                raise ValueError(f"{bad[0]}: must be a finite number")
+            return SamplingParams.model_validate(v, strict=True)
+        return v
+
     @model_validator(mode="after")
     def _ports_fit(self) -> AgentConfig:
         if self.engine_base_port and self.engine_base_port + self.num_engines - 1 > 65535:
@@ -189,6 +224,12 @@ class RunConfig(Strict):
     group_timeout_s: float = Field(600.0, gt=0, description="a GRPO group not complete this many seconds after "
                                    "it was launched (while playing) or emitted (in the buffer) is abandoned, "
                                    "so a lost turn or a dead-lettered sample never stalls the run")
+    max_restarts: int = Field(5, ge=0, description="tandem up: restarts of one service (Redis included) allowed "
+                              "within restart_window_s before the run stops; 0 = a dying service stops the run")
+    restart_window_s: float = Field(600.0, gt=0, description="the sliding window max_restarts counts in")
+    redis_appendfsync: Literal["everysec", "always"] = Field(
+        "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of writes on a machine "
+        "crash (none on a Redis crash); always loses none (see README, Recovery)")
 
 
 class ApiConfig(Strict):
@@ -239,13 +280,28 @@ def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
-    node[path[-1]] = yaml.safe_load(value) if value != "" else ""
+    node[path[-1]] = yaml_load(value) if value != "" else ""
+
+
+def with_password(url: str, password_file: str) -> str:
+    """``url`` with the password read from ``password_file`` (a mounted secret), URL-quoted."""
+    try:
+        password = Path(password_file).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"TANDEM_REDIS_PASSWORD_FILE: cannot read {password_file}: {exc.strerror}") from None
+    parts = urlsplit(url)
+    if not password or not parts.hostname:
+        raise ConfigError(f"TANDEM_REDIS_PASSWORD_FILE: {password_file} is empty or redis_url has no host")
+    netloc = f"{quote(parts.username or '', safe='')}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def apply_env_overrides(data: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
     if "TANDEM_REDIS_URL" in env:
         data["redis_url"] = env["TANDEM_REDIS_URL"]
+    if env.get("TANDEM_REDIS_PASSWORD_FILE") and data.get("redis_url"):
+        data["redis_url"] = with_password(str(data["redis_url"]), env["TANDEM_REDIS_PASSWORD_FILE"])
     if "TANDEM_RUN_NAME" in env:
         data.setdefault("run", {})["name"] = env["TANDEM_RUN_NAME"]
     for key, value in env.items():
@@ -274,7 +330,7 @@ def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Tand
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

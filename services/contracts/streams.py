@@ -85,6 +85,10 @@ class Streams:
     def train_log(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:log")
 
+    def restarts(self) -> str:
+        """Hash: service name -> times the local launcher restarted it in this run (``tandem up``)."""
+        return self.key("state:restarts")
+
     def episodes(self) -> str:
         return self.key("episodes")
 

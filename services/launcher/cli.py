@@ -14,6 +14,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="start Redis and every service locally and run the experiment")
     p_up.add_argument("config")
+    state = p_up.add_mutually_exclusive_group()
+    state.add_argument("--resume", action="store_true",
+                       help="continue a stopped, crashed or interrupted run from its Redis data and checkpoints")
+    state.add_argument("--fresh", action="store_true",
+                       help="delete the run's directory, checkpoints and Redis keys first, then start over")
     p_val = sub.add_parser("validate", help="check a config and exit")
     p_val.add_argument("config")
     p_demo = sub.add_parser("init-demo", help="create and warm-start the demo model (skipped if present)")
@@ -48,9 +53,11 @@ def main(argv: list[str] | None = None) -> None:
             return
         warmstart(args.out_dir)
         return
+    mode = "validate" if args.command == "validate" else (
+        "resume" if args.resume else "fresh" if args.fresh else "new")
     try:
         cfg = load_config(args.config)
-        preflight(cfg, args.config)
+        preflight(cfg, args.config, mode)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from services.launcher.up import up
 
-    raise SystemExit(up(cfg, args.config))
+    raise SystemExit(up(cfg, args.config, resume=args.resume, fresh=args.fresh))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,25 @@
-"""Checks made before any service starts, each naming the config field at fault."""
+"""Checks made before any service starts, each naming the config field at fault.
+
+``tandem validate`` and ``tandem up`` run them all before anything on disk or in Redis is touched:
+the environment's parameters, free ports, model directories, that Redis answers (an external
+``redis_url``) or can be started (the embedded one), and, for ``up``, what the run already has:
+a run with state is continued only with ``--resume`` and wiped only with ``--fresh``.
+"""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
+import redis
+
+from services.common.embedded_redis import server_binary
 from services.contracts.config import ConfigError, TandemConfig
 from services.envs.registry import check_environment_config
+
+Mode = Literal["validate", "new", "resume", "fresh"]
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -33,8 +46,79 @@ def port_clashes(cfg: TandemConfig) -> list[str]:
             if len(fields) > 1]
 
 
-def preflight(cfg: TandemConfig, source: str) -> None:
+def redacted(url: str) -> str:
+    """The URL without its password (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redis_problem(url: str, timeout: float = 3.0) -> str | None:
+    """Why the Redis at ``url`` cannot be used (malformed, unreachable, wrong password), or None."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    except ValueError as exc:
+        return f"redis_url: {redacted(url)!r} is not a Redis URL ({exc})"
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        return f"redis_url: {redacted(url)} refused the password ({exc})"
+    except (redis.RedisError, OSError) as exc:
+        return f"redis_url: cannot reach {redacted(url)} ({exc})"
+    finally:
+        client.close()
+    return None
+
+
+def run_state(cfg: TandemConfig) -> list[str]:
+    """What an earlier run of this name left: its directory, checkpoints and Redis keys (a Redis that
+    cannot be reached is reported by ``redis_problem``; it counts as no keys here)."""
+    found = []
+    for what, path in (("run directory", cfg.run_dir()), ("checkpoints", Path(cfg.run.checkpoint_root) /
+                                                          cfg.run.name)):
+        if path.is_dir() and any(path.iterdir()):
+            found.append(f"{what} {path}")
+    if cfg.redis_url:
+        try:
+            client = redis.Redis.from_url(cfg.redis_url, socket_connect_timeout=3, socket_timeout=3)
+            try:
+                keys = next(iter(client.scan_iter(match=f"tandem:{cfg.run.name}:*", count=1000)), None)
+            finally:
+                client.close()
+            if keys is not None:
+                found.append(f"keys tandem:{cfg.run.name}:* in {redacted(cfg.redis_url)}")
+        except (redis.RedisError, OSError, ValueError):
+            pass
+    return found
+
+
+def state_problem(cfg: TandemConfig, source: str, mode: Mode) -> str | None:
+    if mode in ("validate", "fresh"):
+        return None
+    found = run_state(cfg)
+    if mode == "new" and found:
+        return (f"run.name: run {cfg.run.name!r} already has state ({'; '.join(found)}). "
+                f"`tandem up {source} --resume` continues it; `tandem up {source} --fresh` deletes it and "
+                "starts over (or choose another run.name)")
+    if mode == "resume" and not found:
+        return f"run.name: run {cfg.run.name!r} has no state to resume; start it without --resume"
+    return None
+
+
+def preflight(cfg: TandemConfig, source: str, mode: Mode = "validate") -> None:
+    """Raise ``ConfigError`` listing every problem; touches nothing on disk or in Redis."""
     problems: list[str] = []
+    if cfg.redis_url:
+        if (problem := redis_problem(cfg.redis_url)) is not None:
+            problems.append(problem)
+    else:
+        try:
+            server_binary()
+        except RuntimeError as exc:
+            problems.append(f"redis_url: empty (embedded Redis), but {exc}")
     try:
         check_environment_config(cfg.environment)
     except ValueError as exc:
@@ -53,5 +137,7 @@ def preflight(cfg: TandemConfig, source: str) -> None:
         if busy:
             problems.append(f"agents.{name}.engine_base_port: port(s) {busy} in use (0 picks free ports)")
     problems.extend(port_clashes(cfg))
+    if (problem := state_problem(cfg, source, mode)) is not None:
+        problems.append(problem)
     if problems:
         raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(problems))

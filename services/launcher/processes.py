@@ -1,41 +1,100 @@
-"""Child processes of the local launcher: start, prefix their logs, watch, stop.
+"""Child processes of the local launcher: start, prefix their logs, supervise, restart, stop.
 
-Every child gets the parent-death signal (Linux), so none outlives the
-launcher; each child's output goes to ``runs/<run>/logs/<name>.log`` and,
-prefixed with its name, to the console.
+Every child gets the parent-death signal (Linux), so none outlives the launcher, even one killed
+by SIGKILL; each child's output goes to ``runs/<run>/logs/<name>.log`` and, prefixed with its
+name, to the console. ``ProcessGroup.supervise`` restarts a child that exited unexpectedly (a
+non-zero exit code or a signal: services exit 0 only when told to stop; 2, a bad config, and 3,
+a run that failed for good, are never restarted) in place, with
+exponential backoff, as long as the ``RestartBudget`` allows: at most ``max_restarts`` restarts
+of one service within a sliding window of ``window_s`` seconds. Past it, ``ServiceFailed`` names
+the service and its exit code.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-PR_SET_PDEATHSIG = 1
+from services.common.lifetime import die_with_parent
+
+# exit codes a restart cannot fix: the run stops at once, naming the reason
+PERMANENT_EXITS = {2: "a bad config", 3: "the run failed"}
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+class ServiceFailed(RuntimeError):
+    """A service died more often than the restart budget allows (the message names it and why)."""
 
 
 @dataclass
-class Child:
+class RestartBudget:
+    """At most ``max_restarts`` restarts per service within any ``window_s`` seconds; backoff doubles
+    from ``first_delay_s`` with each restart still inside the window, up to ``max_delay_s``."""
+
+    max_restarts: int
+    window_s: float
+    first_delay_s: float = 0.5
+    max_delay_s: float = 15.0
+
+    def recent(self, history: deque[float], now: float) -> int:
+        while history and history[0] <= now - self.window_s:
+            history.popleft()
+        return len(history)
+
+    def allows(self, history: deque[float], now: float) -> bool:
+        return self.recent(history, now) < self.max_restarts
+
+    def delay(self, history: deque[float], now: float) -> float:
+        return min(self.first_delay_s * 2 ** self.recent(history, now), self.max_delay_s)
+
+
+@dataclass
+class Supervised:
+    """Something the launcher restarts when it dies: a service process, or the embedded Redis."""
+
     name: str
-    cmd: list[str]
-    proc: subprocess.Popen[bytes]
-    pump: threading.Thread
     critical: bool = True
+    restarts: int = 0
+    history: deque[float] = field(default_factory=deque)  # times of the restarts still in the window
+    due: float | None = None  # when the scheduled restart happens
+
+    def failed(self) -> bool:
+        raise NotImplementedError
+
+    def exit_code(self) -> int | None:
+        raise NotImplementedError
+
+    def respawn(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Child(Supervised):
+    cmd: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] = None  # type: ignore[assignment]
+    pump: threading.Thread = None  # type: ignore[assignment]
+    spawn: Callable[[str, list[str]], tuple[subprocess.Popen[bytes], threading.Thread]] | None = None
+
+    def failed(self) -> bool:
+        """Exited on its own with a non-zero code or by a signal (services exit 0 only when told to stop)."""
+        return self.proc.poll() not in (None, 0)
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def respawn(self) -> None:
+        assert self.spawn is not None
+        self.pump.join(timeout=2)
+        self.proc, self.pump = self.spawn(self.name, self.cmd)
 
 
 @dataclass
@@ -43,16 +102,23 @@ class ProcessGroup:
     log_dir: Path
     env: dict[str, str]
     echo: Callable[[str, str], None]
+    budget: RestartBudget = field(default_factory=lambda: RestartBudget(0, 60.0))
+    on_restart: Callable[[str, int], None] = lambda name, count: None
     children: list[Child] = field(default_factory=list)
+    others: list[Supervised] = field(default_factory=list)  # supervised first (the embedded Redis)
     stopping: threading.Event = field(default_factory=threading.Event)
 
-    def start(self, name: str, cmd: list[str], critical: bool = True) -> Child:
+    def _spawn(self, name: str, cmd: list[str]) -> tuple[subprocess.Popen[bytes], threading.Thread]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
         pump = threading.Thread(target=self._pump, args=(name, proc), daemon=True)
         pump.start()
-        child = Child(name, cmd, proc, pump, critical)
+        return proc, pump
+
+    def start(self, name: str, cmd: list[str], critical: bool = True) -> Child:
+        proc, pump = self._spawn(name, cmd)
+        child = Child(name, critical=critical, cmd=cmd, proc=proc, pump=pump, spawn=self._spawn)
         self.children.append(child)
         return child
 
@@ -66,15 +132,38 @@ class ProcessGroup:
                 if text:
                     self.echo(name, text)
 
-    def dead(self) -> Child | None:
-        """The first critical child that failed (non-zero exit), if any.
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart the children that died and whose backoff is over; return what happened, one line each.
 
-        Services exit 0 only when told to stop (the run's end), so a zero exit
-        is not a death."""
-        for c in self.children:
-            if c.critical and c.proc.poll() not in (None, 0):
-                return c
-        return None
+        Raises ``ServiceFailed`` when a critical child died with its restart budget spent."""
+        now = time.monotonic() if now is None else now
+        notes = []
+        for c in [*self.others, *self.children]:
+            if not c.critical or self.stopping.is_set() or not c.failed():
+                continue
+            if c.due is None:
+                code = c.exit_code()
+                if code in PERMANENT_EXITS:
+                    raise ServiceFailed(f"{c.name} exited with code {code} ({PERMANENT_EXITS[code]}); stopping the "
+                                        f"run (see {self.log_dir / (c.name + '.log')})")
+                if not self.budget.allows(c.history, now):
+                    raise ServiceFailed(f"{c.name} died (exit code {code}) after {self.budget.recent(c.history, now)}"
+                                        f" restart(s) within {self.budget.window_s:.0f}s (run.max_restarts="
+                                        f"{self.budget.max_restarts}); stopping the run")
+                delay = self.budget.delay(c.history, now)
+                c.due = now + delay
+                notes.append(f"{c.name} died (exit code {code}); restarting it in {delay:.1f}s")
+            if now >= c.due:
+                c.respawn()
+                c.history.append(now)
+                c.restarts += 1
+                c.due = None
+                self.on_restart(c.name, c.restarts)
+                notes.append(f"{c.name} restarted (restart {c.restarts})")
+        return notes
+
+    def restart_counts(self) -> dict[str, int]:
+        return {c.name: c.restarts for c in [*self.others, *self.children]}
 
     def exited(self, name: str) -> int | None:
         for c in self.children:

@@ -1,20 +1,24 @@
 """``tandem up CONFIG``: embedded Redis and every service as child processes.
 
-Order: Redis (embedded unless the config names one) → per agent the rollout
-(which starts the agent's real SGLang router and engines itself), buffer and
-trainer → the coordinator. It shows progress from the coordinator's ``/v1/status``, and
-stops everything on Ctrl-C, when the run ends, or when any child dies (the
-dead child is named and the exit code is non-zero).
+Order: Redis (embedded unless the config names one; its AOF under ``runs/<run>/redis``) → per
+agent the rollout (which starts the agent's real SGLang router and engines itself), buffer and
+trainer → the coordinator. It shows progress from the coordinator's ``/v1/status`` and supervises
+every child and the embedded Redis: one that dies is restarted in place within the restart budget
+(``run.max_restarts`` in ``run.restart_window_s``), the count goes to the live view, the Redis hash
+``state:restarts`` and ``summary.json``; past the budget the run stops naming the service. Ctrl-C
+and SIGTERM stop everything; ``tandem up CONFIG --resume`` then continues the run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,12 +29,17 @@ from rich.table import Table
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.config import AgentConfig, TandemConfig
-from services.launcher.processes import ProcessGroup, child_env, python_module
+from services.contracts.streams import Streams
+from services.launcher.processes import ProcessGroup, RestartBudget, Supervised, child_env, python_module
+
+log = logging.getLogger("tandem.launcher")
 
 
-def status_table(status: dict | None) -> Table:
+def status_table(status: dict | None, restarts: dict[str, int] | None = None) -> Table:
+    restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n)
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
-                        f"{status.get('phase') if status else 'starting'}")
+                        f"{status.get('phase') if status else 'starting'}",
+                  caption=f"restarts: {restarted}" if restarted else None)
     for col in ("agent", "step", "weight version", "mean reward", "eval start", "eval end", "episodes/s"):
         table.add_column(col)
     if status:
@@ -73,15 +82,12 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
         if acfg.train:  # a frozen agent has its rollout (router and engines) only
             group.start(f"buffer.{agent}", python_module("services.buffer", *base))
             group.start(f"trainer.{agent}", trainer_command(acfg, base))
-    coord = group.start("coordinator", python_module("services.coordinator", "--config", config_path,
-                                                     "--port", str(api_port)))
-    api = f"http://{cfg.api.host}:{api_port}"
-    group.wait_http(f"{api}/health", coord, timeout=180)
-    return api
+    group.start("coordinator", python_module("services.coordinator", "--config", config_path, "--port", str(api_port)))
+    return f"http://{cfg.api.host}:{api_port}"
 
 
 def clear_run_keys(redis_url: str, run: str) -> int:
-    """A fresh run on an external Redis starts without the keys of an earlier run of that name."""
+    """``--fresh`` on an external Redis: delete the keys of the earlier run of that name."""
     client = redis_lib.Redis.from_url(redis_url)
     try:
         keys = list(client.scan_iter(match=f"tandem:{run}:*", count=1000))
@@ -90,14 +96,61 @@ def clear_run_keys(redis_url: str, run: str) -> int:
         client.close()
 
 
-def up(cfg: TandemConfig, config_path: str, console: Console | None = None) -> int:
-    """Run the experiment from scratch: the run's directory, checkpoints and Redis keys are reset."""
-    console = console or Console()
-    run_dir = cfg.run_dir()
-    shutil.rmtree(run_dir, ignore_errors=True)
+def wipe_run(cfg: TandemConfig) -> None:
+    """``--fresh``: the run's directory (reports, logs, embedded Redis data), checkpoints and Redis keys."""
+    shutil.rmtree(cfg.run_dir(), ignore_errors=True)
     shutil.rmtree(Path(cfg.run.checkpoint_root) / cfg.run.name, ignore_errors=True)
     if cfg.redis_url:
         clear_run_keys(cfg.redis_url, cfg.run.name)
+
+
+@dataclass
+class RedisProcess(Supervised):
+    """The embedded Valkey under supervision: restarted on the same port, password and AOF."""
+
+    server: EmbeddedRedis | None = None
+
+    def failed(self) -> bool:
+        return self.server is not None and not self.server.alive()
+
+    def exit_code(self) -> int | None:
+        return self.server.proc.poll() if self.server and self.server.proc else None
+
+    def respawn(self) -> None:
+        assert self.server is not None
+        self.server.restart()
+
+
+class RestartLedger:
+    """Restarts per service in the run's Redis hash ``state:restarts`` (the coordinator's report reads it;
+    a resumed run adds to the counts of the sessions before)."""
+
+    def __init__(self, redis_url: str, run: str) -> None:
+        self.client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
+        self.key = Streams(run).restarts()
+
+    def record(self, name: str, _count: int) -> None:
+        try:
+            self.client.hincrby(self.key, name, 1)
+        except redis_lib.RedisError as exc:
+            log.warning("could not record the restart of %s: %s", name, exc)
+
+    def counts(self, local: dict[str, int]) -> dict[str, int]:
+        try:
+            stored = {k.decode(): int(v) for k, v in self.client.hgetall(self.key).items()}
+        except redis_lib.RedisError:
+            stored = {}
+        return {name: max(stored.get(name, 0), n) for name, n in {**stored, **local}.items()}
+
+
+def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resume: bool = False,
+       fresh: bool = False) -> int:
+    """Run the experiment: new (no earlier state; preflight checked), ``fresh`` (the earlier state is wiped
+    first) or ``resume`` (the run's Redis AOF, checkpoints and directory are kept and the services go on)."""
+    console = console or Console()
+    run_dir = cfg.run_dir()
+    if fresh:
+        wipe_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -109,34 +162,52 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None) -> i
 
     redis = None
     env: dict[str, str] = {}
+    redis_url = cfg.redis_url
     if not cfg.redis_url:
-        redis = EmbeddedRedis(data_dir=run_dir / "redis").start()
-        env["TANDEM_REDIS_URL"] = redis.url
-        console.print(f"embedded Redis at {redis.url} (data in {run_dir / 'redis'})")
+        redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync).start(timeout=120)
+        env["TANDEM_REDIS_URL"] = redis_url = redis.url
+        console.print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; data in {run_dir / 'redis'})"
+                      + (", resumed from its AOF" if resume else ""))
     api_port = cfg.api.port or free_port()
     if threading.current_thread() is threading.main_thread():  # SIGTERM stops the run like Ctrl-C
         signal.signal(signal.SIGTERM, _interrupt)
-    group = ProcessGroup(run_dir / "logs", child_env(env), echo)
+    ledger = RestartLedger(redis_url, cfg.run.name)
+    group = ProcessGroup(run_dir / "logs", child_env(env), echo,
+                         RestartBudget(cfg.run.max_restarts, cfg.run.restart_window_s), ledger.record)
+    if redis is not None:
+        group.others.append(RedisProcess("redis", server=redis))
     code = 0
-    started = time.time()
     try:
         api = start_services(cfg, config_path, group, api_port)
-        console.print(f"control API at {api} (docs at {api}/docs) — all services up in {time.time() - started:.0f}s")
         code = watch(group, api, console)
     except KeyboardInterrupt:
-        console.print("interrupted (Ctrl-C or SIGTERM): stopping every service")
+        console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
+                      f" (continue with `tandem up {config_path} --resume`)")
         code = 130
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # ServiceFailed included
         console.print(f"[red]{exc}[/red]")
         code = 1
     finally:
         group.stop_all()
+        restarts = ledger.counts(group.restart_counts())
+        ledger.client.close()
         if redis is not None:
             redis.stop()
+    return report(run_dir, code, restarts, console)
+
+
+def report(run_dir: Path, code: int, restarts: dict[str, int], console: Console) -> int:
+    """Add the restarts per service to ``summary.json`` and print the summary of a finished run."""
     summary_path = run_dir / "summary.json"
-    if code == 0 and summary_path.exists():
-        console.print(summary_table(json.loads(summary_path.read_text())))
-        console.print(f"summary: {summary_path}   plot: {run_dir / 'rewards.png'}")
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        summary["restarts"] = {name: restarts.get(name, 0) for name in sorted(restarts)}
+        summary_path.write_text(json.dumps(summary, indent=2))
+        if code == 0:
+            console.print(summary_table(summary))
+            console.print(f"summary: {summary_path}   plot: {run_dir / 'rewards.png'}")
+    if any(restarts.values()):
+        console.print("restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()) if v))
     return code
 
 
@@ -145,27 +216,33 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def watch(group: ProcessGroup, api: str, console: Console) -> int:
-    """Refresh progress until the coordinator exits; fail if any other child dies first."""
+    """Supervise the children (restart a dead one within the budget) and refresh progress until the
+    coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget."""
     waiter = threading.Event()
     status = None
     last_print = 0.0
+    started = time.time()
+    announced = False
     with Live(status_table(None), console=console, auto_refresh=False,
               transient=False) if console.is_terminal else _NoLive() as live:
         while True:
-            dead = group.dead()
-            if dead is not None:
-                console.print(f"[red]{dead.name} died (exit code {dead.proc.returncode}); stopping the run[/red]")
-                return 1
+            for note in group.supervise():
+                console.print(f"[yellow]{note}[/yellow]")
             if group.exited("coordinator") == 0:
                 return 0
             try:
                 status = httpx.get(f"{api}/v1/status", timeout=2.0).json()
+                if not announced:
+                    console.print(f"control API at {api} (docs at {api}/docs) — all services up in "
+                                  f"{time.time() - started:.0f}s")
+                    announced = True
             except (httpx.HTTPError, ValueError):
                 pass
+            restarts = group.restart_counts()
             if console.is_terminal:
-                live.update(status_table(status), refresh=True)
+                live.update(status_table(status, restarts), refresh=True)
             elif status and time.time() - last_print > 15:
-                console.print(status_table(status))
+                console.print(status_table(status, restarts))
                 last_print = time.time()
             waiter.wait(1.0)
 

@@ -7,7 +7,9 @@ router at run time (``POST /workers``). ``supervise()`` then checks every engine
 answer within ``health_timeout`` seconds ``max_failures`` times in a row (hung), is deregistered
 (``DELETE /workers/{id}``: traffic moves to the healthy ones), killed and started again on its
 port; the latest weight version loaded on the fleet is applied to it before it is registered
-again. ``load_weights`` and re-registration share one lock, so a restarted engine can never
+again. A router that exited is started again on its port, and every live engine is registered
+with it again (on the fleet's latest version); generation that failed meanwhile is retried by the
+rollout. ``load_weights`` and re-registration share one lock, so a restarted engine can never
 rejoin on an older version than the rest.
 """
 
@@ -15,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,17 +26,13 @@ from typing import Any
 import httpx
 
 from services.common.embedded_redis import free_port
+from services.common.lifetime import die_with_parent
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
 from services.contracts.config import AgentConfig
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
 
 log = logging.getLogger("tandem.rollout.fleet")
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):  # Linux: the child gets SIGTERM when the rollout dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 @dataclass
@@ -70,6 +66,7 @@ class EngineFleet:
         self.router_port = acfg.router_port or free_port()
         self.router_url = f"http://{host}:{self.router_port}"
         self.router: asyncio.subprocess.Process | None = None
+        self.router_restarts = 0
         self.latest: tuple[str, int] | None = None  # (path, version) last loaded on the fleet
         self._lock = asyncio.Lock()
         self._http = httpx.AsyncClient(timeout=health_timeout)
@@ -77,7 +74,7 @@ class EngineFleet:
 
     async def _spawn(self, cmd: list[str]) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                    preexec_fn=_die_with_parent, env=os.environ.copy())
+                                                    preexec_fn=die_with_parent(), env=os.environ.copy())
 
     async def start(self) -> None:
         self.router = await self._spawn(router_command(self.router_port, [], host=self.host))
@@ -130,11 +127,39 @@ class EngineFleet:
                 if not ok:
                     restarting[e.index] = asyncio.create_task(self._restart(e))
             if self.router is not None and self.router.returncode is not None:
-                raise RuntimeError(f"the SGLang router exited with code {self.router.returncode}")
+                await self._restart_router()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
         for t in restarting.values():
             t.cancel()
+
+    async def _restart_router(self) -> None:
+        """The router died: start it again on its port and register the engines that are up (it keeps no
+        state of its own: its workers are re-registered, on the version the fleet has loaded)."""
+        assert self.router is not None
+        log.warning("the SGLang router exited with code %s: restarting it", self.router.returncode)
+        async with self._lock:
+            for e in self.engines:
+                e.registered = False  # nothing is routed to them until the new router lists them
+        while True:
+            self.router = await self._spawn(router_command(self.router_port, [], host=self.host))
+            try:
+                await wait_healthy(self.router_url, timeout=60)
+                break
+            except TimeoutError as exc:
+                log.warning("the restarted router did not come up (%s); trying again", exc)
+                if self.router.returncode is None:
+                    self.router.kill()
+                await self.router.wait()
+                await asyncio.sleep(2.0)
+        self.router_restarts += 1
+        up = [e for e in self.engines if e.alive()]
+        results = await asyncio.gather(*(self._register(e) for e in up), return_exceptions=True)
+        for e, res in zip(up, results, strict=True):
+            if isinstance(res, BaseException):  # the engine check restarts it, and it registers then
+                log.warning("engine %s did not re-register with the new router: %s", e.url, res)
+        log.info("router %s is back (restart %d) with %d engine(s)", self.router_url, self.router_restarts,
+                 self.healthy())
 
     async def _check(self, e: ManagedEngine) -> bool:
         """False when the engine must be restarted."""

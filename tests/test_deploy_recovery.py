@@ -1,0 +1,84 @@
+"""Deployment files and the recovery story: a bare ``docker compose up`` runs the whole CPU topology
+(the GPU one is ``--profile gpu``), Redis always has a password (generated when none is given), and
+what restarts a dead service and keeps its state matches README "Recovery" (compose restart policies,
+Kubernetes restart policies, probes and strategies, Redis's AOF on a volume)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import yaml
+from deploy_inventory import Container, compose_containers, k8s_containers, run_compose
+
+PROFILES = ("gpu", "cpu")
+OVERLAYS = ("cpu", "gpu")
+SERVICES = {"services.coordinator", "services.rollout", "services.buffer", "services.trainer"}
+SHARED = {"redis", "redis-password"}  # in every compose topology
+
+
+@cache
+def compose(profile: str) -> tuple[list[Container], dict]:
+    return compose_containers(profile)
+
+
+@cache
+def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
+    return k8s_containers(overlay)
+
+
+def test_a_bare_compose_up_runs_the_whole_cpu_topology_and_gpu_is_one_flag_away():
+    bare = run_compose("config", "--services")
+    assert bare.returncode == 0 and not bare.stderr.strip(), bare.stderr
+    cpu = set(run_compose("--profile", "cpu", "config", "--services").stdout.split())
+    gpu = set(run_compose("--profile", "gpu", "config", "--services").stdout.split())
+    assert set(bare.stdout.split()) == cpu and cpu & gpu == SHARED
+    services = {c.module for c in compose("cpu")[0] if c.module}
+    assert services == SERVICES  # coordinator, and per agent rollout, buffer, trainer
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_runs_without_a_redis_password_given_and_redis_still_requires_one(profile):
+    """No REDIS_PASSWORD: one is generated into the volume redis-secret; set, it is the one used."""
+    res = run_compose("--profile", profile, "config", password=None)
+    assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+    services = yaml.safe_load(res.stdout)["services"]
+    gen = services["redis-password"]
+    script = " ".join(gen["command"]).replace("$$", "$")  # the rendered file keeps compose's $$ escape
+    assert gen["environment"]["REDIS_PASSWORD"] == "" and "/dev/urandom" in script and "[ ! -s $f ]" in script
+    assert "$REDIS_PASSWORD" in script  # a given password wins
+    assert "$(cat /secret/redis-password)" in " ".join(services["redis"]["command"]).replace("$$", "$")
+    assert services["redis"]["depends_on"]["redis-password"]["condition"] == "service_completed_successfully"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_restarts_crashed_services_and_keeps_redis_on_its_aof(profile):
+    services = compose(profile)[1]["services"]
+    for c in compose(profile)[0]:
+        svc = c.extra["service"]
+        if c.module:  # a crash (non-zero exit) restarts it; the exit 0 of a finished run does not
+            assert svc["restart"] == "on-failure", f"{c.where}: restart {svc.get('restart')}"
+    redis = services["redis"]
+    assert redis["restart"] == "unless-stopped" and "--appendonly yes" in " ".join(redis["command"])
+    assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
+    for one_shot in ("redis-password", "init-model"):
+        if one_shot in services:
+            assert services[one_shot]["restart"] == "no"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_restarts_pods_and_keeps_redis_on_its_aof(overlay):
+    docs = k8s(overlay)[1]
+    for c in k8s(overlay)[0]:
+        doc = c.extra["doc"]
+        policy = doc["spec"]["template"]["spec"].get("restartPolicy", "Always")
+        assert policy == ("OnFailure" if doc["kind"] == "Job" else "Always"), c.where
+        if c.module and not c.extra["init"]:
+            assert "livenessProbe" in c.extra["container"], f"{c.where}: a hung service is never restarted"
+            if doc["kind"] == "Deployment":  # one coordinator / rollout / buffer at a time
+                assert doc["spec"].get("strategy", {}).get("type") == "Recreate", c.where
+    redis = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "redis")
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert "--appendonly yes" in " ".join(container["command"])
+    claim = redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert {"name": claim, "mountPath": "/data"} in container["volumeMounts"]
