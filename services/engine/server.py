@@ -121,7 +121,7 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
                 "max_running_requests": engine.max_batch, "context_length": engine.context_len,
                 "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
                 "disaggregation_mode": "null", "device": "cpu", "dtype": "float32",
-                "internal_states": [{"paused": engine.paused, **engine.load()}]}
+                "internal_states": [{"paused": engine.paused, **engine.load(), **engine.stats}]}
 
     @app.get("/health")
     async def health() -> Response:

@@ -130,7 +130,7 @@ class Engine:
         self._stopped = False
         self.last_step_at = time.monotonic()
         # decode steps; requests that joined a running batch; requests that left while others ran on
-        self.stats = {"decode_steps": 0, "joined_running": 0, "left_running": 0}
+        self.stats = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -321,6 +321,7 @@ class Engine:
             mask[i, width - len(r.input_ids):] = 1
         pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        self.stats["prefills"] += 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         toks, lps = self._sample(out.logits[:, -1, :].float(), live)
         with self._cv:

@@ -1,13 +1,23 @@
-"""Engine benchmarks, side by side in one run on the demo model's architecture.
+"""Engine benchmarks: the embedded engine over HTTP against a batched ``model.generate``, side by side.
 
-* ``ratio_vs_hf_generate``: tokens/s of the embedded engine (a real ``python -m services.engine``
-  process, over HTTP) serving 32 concurrent requests × 64 new tokens, over tokens/s of naive
-  per-request ``model.generate`` (one request after the other) on the same model and prompts.
-* ``router_overhead_ratio``: wall time of the same load through the real sglang-router over wall
-  time straight to the engine (1.0 = no overhead; best of two alternating runs each).
-* ``weight_update_ms``: ``POST /update_weights_from_disk`` of the demo model, idle engine, median of 5.
-* ``hf_generate_batch_tokens_per_s``: transformers' own continuous batching (``generate_batch``) on
-  the same load, the alternative the engine's scheduler was measured against.
+The headline (``ratio_vs_batched_generate``, per concurrency): at each concurrency ``c`` in
+``CONCURRENCY`` the bench sends ``c`` requests at once (each ``N_NEW`` new tokens, ``ignore_eos``,
+temperature 1, its own seed, logprobs on, as the rollout asks) to a real ``python -m services.engine``
+process over HTTP, and runs one batched ``model.generate`` on the same ``c`` prompts in this process
+(left-padded with an attention mask, KV cache, ``do_sample``, temperature 1, no top-k/top-p,
+``min_new_tokens`` = ``max_new_tokens`` = ``N_NEW``, one torch thread as the engine's model thread).
+Ratio = generate's wall time / the engine's wall time (= engine tokens/s over generate tokens/s).
+The two arms alternate (which goes first flips every round) for ``ROUNDS`` rounds; every figure is
+the median over rounds, never a best. Latency: p50 and p99 of the engine's per-request HTTP latency
+over all rounds (generate answers every prompt at once, so its latency is its wall time).
+``batch_call`` is the same load sent as one SGLang batch ``/generate`` (``input_ids`` a list of lists).
+The engine's own counters give prefills and decode steps per round (``N_NEW`` steps is the floor).
+
+Secondary lines: ``ratio_vs_sequential_generate`` (one ``model.generate`` per request, one after the
+other: what the bench used to compare with), ``router_overhead_ratio`` (wall time through the real
+sglang-router over straight to the engine, median of alternated rounds) and ``weight_update_ms``.
+``load_average`` is the machine's 1-minute load before and after: the box is shared, so absolute
+tokens/s are noisy and only the side-by-side ratios mean much.
 
 The model: ``models/demo-ttt`` when ``tandem init-demo`` made it, else a fresh model of the same
 architecture and size (``services/demo``); speed does not depend on the weights' values.
@@ -22,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +46,10 @@ from services.demo.tiny_model import create_tiny_model
 from services.demo.warmstart import DEFAULT_HIDDEN, DEFAULT_LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
-N_REQ, N_NEW = 32, 64
+CONCURRENCY = (1, 8, 32, 64, 128)
+N_NEW, ROUNDS, MAX_BATCH = 64, 5, 128
+BATCH_CALL = os.environ.get("BENCH_BATCH_CALL", "1") == "1"
+SEQUENTIAL_N = 16  # prompts for the secondary per-request generate line
 
 
 def _model_dir(tmp: Path) -> Path:
@@ -45,44 +59,120 @@ def _model_dir(tmp: Path) -> Path:
     return create_tiny_model(tmp / "demo-arch", seed=0, hidden=DEFAULT_HIDDEN, layers=DEFAULT_LAYERS)
 
 
-def _prompts() -> list[list[int]]:
-    return [[5 + (i * 7 + j) % 200 for j in range(8 + i % 17)] for i in range(N_REQ)]
+def prompts(n: int) -> list[list[int]]:
+    return [[5 + (i * 7 + j) % 200 for j in range(8 + i % 17)] for i in range(n)]
 
 
-def naive_generate(model_dir: Path, prompts: list[list[int]]) -> float:
-    torch.set_num_threads(1)  # as the engine
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=True, temperature=1.0, top_k=0,
-                           pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id)
-    model.generate(torch.tensor([prompts[0]]), generation_config=cfg)  # warm-up
-    start, tokens = time.perf_counter(), 0
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), generation_config=cfg)
-            tokens += out.shape[1] - len(p)
-    return tokens / (time.perf_counter() - start)
+class Generate:
+    """``model.generate`` in this process, on one torch thread (as the engine's model thread)."""
 
+    def __init__(self, model_dir: Path) -> None:
+        torch.set_num_threads(1)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        cfg = self.model.config
+        self.pad = int(cfg.pad_token_id)
+        self.cfg = GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=True, temperature=1.0,
+                                    top_k=0, top_p=1.0, pad_token_id=self.pad, eos_token_id=cfg.eos_token_id)
+        self.batched(prompts(4))  # warm-up
 
-def hf_generate_batch(model_dir: Path, prompts: list[list[int]]) -> float:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = GenerationConfig(max_new_tokens=N_NEW, do_sample=True, temperature=1.0, top_k=0, eos_token_id=-1,
-                           pad_token_id=model.config.pad_token_id)
-    start = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=cfg, warmup=False)
-    return sum(len(o.generated_tokens) for o in out.values()) / (time.perf_counter() - start)
-
-
-async def _load(url: str, prompts: list[list[int]]) -> tuple[float, int]:
-    async with httpx.AsyncClient(timeout=600) as http:
-        async def one(i: int, p: list[int]) -> int:
-            resp = await http.post(f"{url}/generate", json={
-                "input_ids": p, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": N_NEW, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i}})
-            resp.raise_for_status()
-            return len(resp.json()["output_ids"])
+    @torch.inference_mode()
+    def batched(self, batch: list[list[int]]) -> float:
+        """Seconds for one left-padded batched generate of ``batch``."""
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-        return time.perf_counter() - start, tokens
+        out = self.model.generate(ids, attention_mask=mask, generation_config=self.cfg)
+        took = time.perf_counter() - start
+        assert out.shape[1] - width == N_NEW
+        return took
+
+    def sequential(self, batch: list[list[int]]) -> float:
+        """Seconds for one generate per prompt, one after the other."""
+        return sum(self.batched([p]) for p in batch)
+
+
+def _body(p: list[int] | list[list[int]], seed: int) -> dict[str, Any]:
+    return {"input_ids": p, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": N_NEW, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed}}
+
+
+async def burst(http: httpx.AsyncClient, url: str, batch: list[list[int]]) -> tuple[float, list[float]]:
+    """Send every prompt at once, one request each; (wall seconds, per-request latencies)."""
+    async def one(i: int, p: list[int]) -> float:
+        start = time.perf_counter()
+        resp = await http.post(f"{url}/generate", json=_body(p, i))
+        resp.raise_for_status()
+        assert len(resp.json()["output_ids"]) == N_NEW
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    lat = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+    return time.perf_counter() - start, list(lat)
+
+
+async def batch_call(http: httpx.AsyncClient, url: str, batch: list[list[int]]) -> float:
+    """The same prompts as one SGLang batch ``/generate``; wall seconds."""
+    start = time.perf_counter()
+    resp = await http.post(f"{url}/generate", json=_body(batch, 0))
+    resp.raise_for_status()
+    assert [len(o["output_ids"]) for o in resp.json()] == [N_NEW] * len(batch)
+    return time.perf_counter() - start
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+async def _counters(http: httpx.AsyncClient, url: str) -> dict[str, int]:
+    state = (await http.get(f"{url}/get_server_info")).json()["internal_states"][0]
+    return {k: int(state.get(k, 0)) for k in ("prefills", "decode_steps")}
+
+
+async def _alternated(gen: Callable[[], float], served: Callable[[], Awaitable[float]],
+                      rnd: int) -> tuple[float, float]:
+    """(generate seconds, served seconds), the arm that goes first flipping with the round."""
+    if rnd % 2:
+        s = await served()
+        return gen(), s
+    g = gen()
+    return g, await served()
+
+
+async def sweep(http: httpx.AsyncClient, url: str, gen: Generate) -> dict[str, Any]:
+    """Every concurrency, ``ROUNDS`` alternated rounds each; medians."""
+    out: dict[str, Any] = {}
+    for c in CONCURRENCY:
+        batch = prompts(c)
+        ratios, call_ratios, g_tps, e_tps, lats = [], [], [], [], []
+        before = await _counters(http, url)
+        for rnd in range(ROUNDS):
+            async def served(batch: list[list[int]] = batch, lats: list[float] = lats) -> float:
+                wall, lat = await burst(http, url, batch)
+                lats.extend(lat)
+                return wall
+
+            g, e = await _alternated(lambda b=batch: gen.batched(b), served, rnd)
+            ratios.append(g / e)
+            g_tps.append(c * N_NEW / g)
+            e_tps.append(c * N_NEW / e)
+        after = await _counters(http, url)
+        for rnd in range(ROUNDS if BATCH_CALL else 0):
+            g, e = await _alternated(lambda b=batch: gen.batched(b), lambda b=batch: batch_call(http, url, b), rnd)
+            call_ratios.append(g / e)
+        out[str(c)] = {
+            "ratio_vs_batched_generate": round(statistics.median(ratios), 3),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "engine_tokens_per_s": round(statistics.median(e_tps), 1),
+            "batched_generate_tokens_per_s": round(statistics.median(g_tps), 1),
+            "p50_latency_s": round(_pct(lats, 0.5), 4), "p99_latency_s": round(_pct(lats, 0.99), 4),
+            "batched_generate_latency_s": round(c * N_NEW / statistics.median(g_tps), 4),
+            "prefills_per_round": round((after["prefills"] - before["prefills"]) / ROUNDS, 1),
+            "decode_steps_per_round": round((after["decode_steps"] - before["decode_steps"]) / ROUNDS, 1),
+            "batch_call_ratio_vs_batched_generate": round(statistics.median(call_ratios), 3) if call_ratios else None,
+        }
+    return out
 
 
 def _start(model_dir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
@@ -90,58 +180,78 @@ def _start(model_dir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, 
     port, rport = free_port(), free_port()
     engine = f"http://127.0.0.1:{port}"
     procs.append(subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(model_dir),
-                                   "--port", str(port), "--max-batch", "64"], env=env, cwd=ROOT,
+                                   "--port", str(port), "--max-batch", str(MAX_BATCH)], env=env, cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     procs.append(subprocess.Popen(router_command(rport, [engine]), env=env, cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return engine, f"http://127.0.0.1:{rport}"
 
 
-async def _served(model_dir: Path, prompts: list[list[int]], engine: str, router: str) -> dict[str, float]:
+async def _router_and_update(http: httpx.AsyncClient, engine: str, router: str, model_dir: Path) -> dict[str, float]:
+    batch, direct, routed = prompts(32), [], []
+    for rnd in range(3):
+        pair = [burst(http, engine, batch), burst(http, router, batch)]
+        for arm in (pair if rnd % 2 == 0 else pair[::-1]):
+            (direct if arm is pair[0] else routed).append((await arm)[0])
+    times = []
+    for v in range(1, 6):
+        start = time.perf_counter()
+        resp = await http.post(f"{engine}/update_weights_from_disk",
+                               json={"model_path": str(model_dir), "weight_version": str(v)})
+        times.append((time.perf_counter() - start) * 1000)
+        assert resp.json()["success"], resp.text
+    return {"router_overhead_ratio": round(statistics.median(r / d for r, d in zip(routed, direct, strict=True)), 3),
+            "weight_update_ms": round(statistics.median(times), 1)}
+
+
+async def _served(model_dir: Path, engine: str, router: str, gen: Generate) -> dict[str, Any]:
     await wait_healthy(engine, timeout=120)
     await wait_healthy(router, timeout=60)
     for _ in range(600):
         if await list_workers(router, healthy_only=True):
             break
         await asyncio.sleep(0.2)
-    await _load(engine, prompts[:4])  # warm-up
-    direct, routed = [], []
-    for _ in range(2):
-        direct.append(await _load(engine, prompts))
-        routed.append(await _load(router, prompts))
-    best_direct, best_routed = min(direct), min(routed)
-    async with httpx.AsyncClient(timeout=120) as http:
-        times = []
-        for v in range(1, 6):
-            start = time.perf_counter()
-            resp = await http.post(f"{engine}/update_weights_from_disk",
-                                   json={"model_path": str(model_dir), "weight_version": str(v)})
-            times.append((time.perf_counter() - start) * 1000)
-            assert resp.json()["success"], resp.text
-    return {"engine_tokens_per_s": best_direct[1] / best_direct[0],
-            "router_tokens_per_s": best_routed[1] / best_routed[0],
-            "router_overhead_ratio": best_routed[0] / best_direct[0],
-            "weight_update_ms": statistics.median(times)}
+    limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await burst(http, engine, prompts(MAX_BATCH))  # warm-up: connections and the engine's first batch
+        if BATCH_CALL:
+            await batch_call(http, engine, prompts(8))
+        by_c = await sweep(http, engine, gen)
+        seq_batch = prompts(SEQUENTIAL_N)
+        seq = [await _alternated(lambda: gen.sequential(seq_batch),
+                                 lambda: _wall(burst(http, engine, seq_batch)), rnd) for rnd in range(2)]
+        extra = await _router_and_update(http, engine, router, model_dir)
+    return {"by_concurrency": by_c,
+            "ratio_vs_sequential_generate": round(statistics.median(g / e for g, e in seq), 2), **extra}
+
+
+async def _wall(run: Awaitable[tuple[float, list[float]]]) -> float:
+    return (await run)[0]
 
 
 def run() -> dict[str, Any]:
-    prompts = _prompts()
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(Path(tmp))
+        gen = Generate(model_dir)
         try:
-            served = asyncio.run(_served(model_dir, prompts, *_start(model_dir, procs)))
+            served = asyncio.run(_served(model_dir, *_start(model_dir, procs), gen))
         finally:
             for p in procs:
                 p.terminate()
                 p.wait(10)
-        naive = naive_generate(model_dir, prompts)
-        batch = hf_generate_batch(model_dir, prompts)
-    return {"model": str(model_dir.name), "requests": N_REQ, "new_tokens": N_NEW,
-            "hf_generate_tokens_per_s": round(naive, 1),
-            "engine_tokens_per_s": round(served["engine_tokens_per_s"], 1),
-            "ratio_vs_hf_generate": round(served["engine_tokens_per_s"] / naive, 2),
-            "router_tokens_per_s": round(served["router_tokens_per_s"], 1),
-            "router_overhead_ratio": round(served["router_overhead_ratio"], 3),
-            "weight_update_ms": round(served["weight_update_ms"], 1),
-            "hf_generate_batch_tokens_per_s": round(batch, 1)}
+    by_c = served.pop("by_concurrency")
+    return {"model": str(model_dir.name), "new_tokens": N_NEW, "rounds": ROUNDS, "max_batch": MAX_BATCH,
+            "ratio_vs_batched_generate": {c: v["ratio_vs_batched_generate"] for c, v in by_c.items()},
+            "engine_tokens_per_s": {c: v["engine_tokens_per_s"] for c, v in by_c.items()},
+            "by_concurrency": by_c, **served,
+            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))
