@@ -12,6 +12,10 @@ the median over rounds, never a best. Latency: p50 and p99 of the engine's per-r
 over all rounds (generate answers every prompt at once, so its latency is its wall time).
 ``batch_call`` is the same load sent as one SGLang batch ``/generate`` (``input_ids`` a list of lists).
 The engine's own counters give prefills and decode steps per round (``N_NEW`` steps is the floor).
+The load generator is aiohttp, whose client costs ~0.2 ms of CPU per request here; httpx (what the
+rollout's ``EngineClient`` uses) costs ~5 ms per request at 128 concurrent on this machine, which
+alone would make the client the bottleneck, so ``ratio_vs_batched_generate_httpx_client`` gives
+the same measure with httpx as a secondary line.
 
 Secondary lines: ``ratio_vs_sequential_generate`` (one ``model.generate`` per request, one after the
 other: what the bench used to compare with), ``router_overhead_ratio`` (wall time through the real
@@ -36,7 +40,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+import orjson
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -46,9 +52,13 @@ from services.demo.tiny_model import create_tiny_model
 from services.demo.warmstart import DEFAULT_HIDDEN, DEFAULT_LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
-CONCURRENCY = (1, 8, 32, 64, 128)
+# The engine's code: this checkout, or BENCH_ENGINE_ROOT (another checkout, for before/after figures).
+ENGINE_ROOT = Path(os.environ.get("BENCH_ENGINE_ROOT", ROOT))
+BATCH_CALL = os.environ.get("BENCH_BATCH_CALL", "1") == "1"  # 0: an engine without batch /generate
+ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, for tuning
+CONCURRENCY = tuple(int(c) for c in os.environ.get("BENCH_CONCURRENCY", "1,8,32,64,128").split(","))
+HTTPX_CONCURRENCY = (32, 128)
 N_NEW, ROUNDS, MAX_BATCH = 64, 5, 128
-BATCH_CALL = os.environ.get("BENCH_BATCH_CALL", "1") == "1"
 SEQUENTIAL_N = 16  # prompts for the secondary per-request generate line
 
 
@@ -97,13 +107,41 @@ def _body(p: list[int] | list[list[int]], seed: int) -> dict[str, Any]:
         "max_new_tokens": N_NEW, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed}}
 
 
-async def burst(http: httpx.AsyncClient, url: str, batch: list[list[int]]) -> tuple[float, list[float]]:
+class Client:
+    """The load generator: aiohttp (cheap per request), or httpx (what the rollout uses) for comparison."""
+
+    def __init__(self, use_httpx: bool = False) -> None:
+        self.use_httpx = use_httpx
+        # idle connections closed before the engine's keep-alive (uvicorn's default: 5 s) closes them
+        self.aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
+        limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH)
+        self.httpx = httpx.AsyncClient(timeout=600, limits=limits)
+
+    async def post(self, url: str, body: dict[str, Any]) -> Any:
+        if self.use_httpx:
+            resp = await self.httpx.post(url, json=body)
+            resp.raise_for_status()
+            return resp.json()
+        async with self.aio.post(url, data=orjson.dumps(body), headers={"content-type": "application/json"}) as r:
+            r.raise_for_status()
+            return orjson.loads(await r.read())
+
+    async def get(self, url: str) -> Any:
+        async with self.aio.get(url) as r:
+            r.raise_for_status()
+            return orjson.loads(await r.read())
+
+    async def close(self) -> None:
+        await self.aio.close()
+        await self.httpx.aclose()
+
+
+async def burst(http: Client, url: str, batch: list[list[int]]) -> tuple[float, list[float]]:
     """Send every prompt at once, one request each; (wall seconds, per-request latencies)."""
     async def one(i: int, p: list[int]) -> float:
         start = time.perf_counter()
-        resp = await http.post(f"{url}/generate", json=_body(p, i))
-        resp.raise_for_status()
-        assert len(resp.json()["output_ids"]) == N_NEW
+        out = await http.post(f"{url}/generate", _body(p, i))
+        assert len(out["output_ids"]) == N_NEW
         return time.perf_counter() - start
 
     start = time.perf_counter()
@@ -111,12 +149,11 @@ async def burst(http: httpx.AsyncClient, url: str, batch: list[list[int]]) -> tu
     return time.perf_counter() - start, list(lat)
 
 
-async def batch_call(http: httpx.AsyncClient, url: str, batch: list[list[int]]) -> float:
+async def batch_call(http: Client, url: str, batch: list[list[int]]) -> float:
     """The same prompts as one SGLang batch ``/generate``; wall seconds."""
     start = time.perf_counter()
-    resp = await http.post(f"{url}/generate", json=_body(batch, 0))
-    resp.raise_for_status()
-    assert [len(o["output_ids"]) for o in resp.json()] == [N_NEW] * len(batch)
+    out = await http.post(f"{url}/generate", _body(batch, 0))
+    assert [len(o["output_ids"]) for o in out] == [N_NEW] * len(batch)
     return time.perf_counter() - start
 
 
@@ -125,8 +162,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def _counters(http: httpx.AsyncClient, url: str) -> dict[str, int]:
-    state = (await http.get(f"{url}/get_server_info")).json()["internal_states"][0]
+async def _counters(http: Client, url: str) -> dict[str, int]:
+    state = (await http.get(f"{url}/get_server_info"))["internal_states"][0]
     return {k: int(state.get(k, 0)) for k in ("prefills", "decode_steps")}
 
 
@@ -140,54 +177,57 @@ async def _alternated(gen: Callable[[], float], served: Callable[[], Awaitable[f
     return g, await served()
 
 
-async def sweep(http: httpx.AsyncClient, url: str, gen: Generate) -> dict[str, Any]:
-    """Every concurrency, ``ROUNDS`` alternated rounds each; medians."""
-    out: dict[str, Any] = {}
-    for c in CONCURRENCY:
-        batch = prompts(c)
-        ratios, call_ratios, g_tps, e_tps, lats = [], [], [], [], []
-        before = await _counters(http, url)
-        for rnd in range(ROUNDS):
-            async def served(batch: list[list[int]] = batch, lats: list[float] = lats) -> float:
-                wall, lat = await burst(http, url, batch)
-                lats.extend(lat)
-                return wall
+async def _rounds(gen: Generate, served: Callable[[list[list[int]]], Awaitable[float]], c: int,
+                  rounds: int = ROUNDS) -> list[tuple[float, float]]:
+    """Per round: (generate's wall time, the engine's) on the same ``c`` prompts."""
+    batch = prompts(c)
+    return [await _alternated(lambda: gen.batched(batch), lambda: served(batch), rnd) for rnd in range(rounds)]
 
-            g, e = await _alternated(lambda b=batch: gen.batched(b), served, rnd)
-            ratios.append(g / e)
-            g_tps.append(c * N_NEW / g)
-            e_tps.append(c * N_NEW / e)
-        after = await _counters(http, url)
-        for rnd in range(ROUNDS if BATCH_CALL else 0):
-            g, e = await _alternated(lambda b=batch: gen.batched(b), lambda b=batch: batch_call(http, url, b), rnd)
-            call_ratios.append(g / e)
-        out[str(c)] = {
-            "ratio_vs_batched_generate": round(statistics.median(ratios), 3),
-            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
-            "engine_tokens_per_s": round(statistics.median(e_tps), 1),
-            "batched_generate_tokens_per_s": round(statistics.median(g_tps), 1),
-            "p50_latency_s": round(_pct(lats, 0.5), 4), "p99_latency_s": round(_pct(lats, 0.99), 4),
-            "batched_generate_latency_s": round(c * N_NEW / statistics.median(g_tps), 4),
-            "prefills_per_round": round((after["prefills"] - before["prefills"]) / ROUNDS, 1),
-            "decode_steps_per_round": round((after["decode_steps"] - before["decode_steps"]) / ROUNDS, 1),
-            "batch_call_ratio_vs_batched_generate": round(statistics.median(call_ratios), 3) if call_ratios else None,
-        }
-    return out
+
+def _median_ratio(walls: list[tuple[float, float]]) -> float:
+    return statistics.median(g / e for g, e in walls)
+
+
+async def _one_concurrency(http: Client, url: str, gen: Generate, c: int) -> dict[str, Any]:
+    lats: list[float] = []
+
+    async def served(batch: list[list[int]]) -> float:
+        wall, lat = await burst(http, url, batch)
+        lats.extend(lat)
+        return wall
+
+    before = await _counters(http, url)
+    walls = await _rounds(gen, served, c)
+    after = await _counters(http, url)
+    calls = await _rounds(gen, lambda b: batch_call(http, url, b), c) if BATCH_CALL else []
+    ratios = [g / e for g, e in walls]
+    gen_s, eng_s = statistics.median(g for g, _ in walls), statistics.median(e for _, e in walls)
+    return {
+        "ratio_vs_batched_generate": round(statistics.median(ratios), 3),
+        "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        "engine_tokens_per_s": round(c * N_NEW / eng_s, 1),
+        "batched_generate_tokens_per_s": round(c * N_NEW / gen_s, 1),
+        "p50_latency_s": round(_pct(lats, 0.5), 4), "p99_latency_s": round(_pct(lats, 0.99), 4),
+        "batched_generate_latency_s": round(gen_s, 4),
+        "prefills_per_round": round((after["prefills"] - before["prefills"]) / ROUNDS, 1),
+        "decode_steps_per_round": round((after["decode_steps"] - before["decode_steps"]) / ROUNDS, 1),
+        "batch_call_ratio_vs_batched_generate": round(_median_ratio(calls), 3) if calls else None,
+    }
 
 
 def _start(model_dir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ENGINE_ROOT), "HF_HUB_OFFLINE": "1"}
     port, rport = free_port(), free_port()
     engine = f"http://127.0.0.1:{port}"
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(model_dir),
-                                   "--port", str(port), "--max-batch", str(MAX_BATCH)], env=env, cwd=ROOT,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    cmd = [sys.executable, "-m", "services.engine", "--model-path", str(model_dir), "--port", str(port),
+           "--max-batch", str(MAX_BATCH), *ENGINE_ARGS]
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     procs.append(subprocess.Popen(router_command(rport, [engine]), env=env, cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return engine, f"http://127.0.0.1:{rport}"
 
 
-async def _router_and_update(http: httpx.AsyncClient, engine: str, router: str, model_dir: Path) -> dict[str, float]:
+async def _router_and_update(http: Client, engine: str, router: str, model_dir: Path) -> dict[str, float]:
     batch, direct, routed = prompts(32), [], []
     for rnd in range(3):
         pair = [burst(http, engine, batch), burst(http, router, batch)]
@@ -196,12 +236,25 @@ async def _router_and_update(http: httpx.AsyncClient, engine: str, router: str, 
     times = []
     for v in range(1, 6):
         start = time.perf_counter()
-        resp = await http.post(f"{engine}/update_weights_from_disk",
-                               json={"model_path": str(model_dir), "weight_version": str(v)})
+        out = await http.post(f"{engine}/update_weights_from_disk",
+                              {"model_path": str(model_dir), "weight_version": str(v)})
         times.append((time.perf_counter() - start) * 1000)
-        assert resp.json()["success"], resp.text
+        assert out["success"], out
     return {"router_overhead_ratio": round(statistics.median(r / d for r, d in zip(routed, direct, strict=True)), 3),
             "weight_update_ms": round(statistics.median(times), 1)}
+
+
+async def _secondary(http: Client, engine: str, router: str, model_dir: Path, gen: Generate) -> dict[str, Any]:
+    seq_batch = prompts(SEQUENTIAL_N)
+    seq = [await _alternated(lambda: gen.sequential(seq_batch),
+                             lambda: _wall(burst(http, engine, seq_batch)), rnd) for rnd in range(2)]
+    http.use_httpx = True
+    with_httpx = {str(c): round(_median_ratio(
+        await _rounds(gen, lambda b: _wall(burst(http, engine, b)), c, rounds=3)), 3) for c in HTTPX_CONCURRENCY}
+    http.use_httpx = False
+    return {"ratio_vs_sequential_generate": round(statistics.median(g / e for g, e in seq), 2),
+            "ratio_vs_batched_generate_httpx_client": with_httpx,
+            **await _router_and_update(http, engine, router, model_dir)}
 
 
 async def _served(model_dir: Path, engine: str, router: str, gen: Generate) -> dict[str, Any]:
@@ -211,18 +264,17 @@ async def _served(model_dir: Path, engine: str, router: str, gen: Generate) -> d
         if await list_workers(router, healthy_only=True):
             break
         await asyncio.sleep(0.2)
-    limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await burst(http, engine, prompts(MAX_BATCH))  # warm-up: connections and the engine's first batch
+    http = Client()
+    try:
+        for use_httpx in (True, False):  # warm-up: connections and the engine's first batch
+            http.use_httpx = use_httpx
+            await burst(http, engine, prompts(MAX_BATCH))
         if BATCH_CALL:
             await batch_call(http, engine, prompts(8))
-        by_c = await sweep(http, engine, gen)
-        seq_batch = prompts(SEQUENTIAL_N)
-        seq = [await _alternated(lambda: gen.sequential(seq_batch),
-                                 lambda: _wall(burst(http, engine, seq_batch)), rnd) for rnd in range(2)]
-        extra = await _router_and_update(http, engine, router, model_dir)
-    return {"by_concurrency": by_c,
-            "ratio_vs_sequential_generate": round(statistics.median(g / e for g, e in seq), 2), **extra}
+        by_c = {str(c): await _one_concurrency(http, engine, gen, c) for c in CONCURRENCY}
+        return {"by_concurrency": by_c, **await _secondary(http, engine, router, model_dir, gen)}
+    finally:
+        await http.close()
 
 
 async def _wall(run: Awaitable[tuple[float, list[float]]]) -> float:
@@ -252,6 +304,4 @@ def run() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import json
-
-    print(json.dumps(run(), indent=2))
+    print(orjson.dumps(run(), option=orjson.OPT_INDENT_2).decode())
