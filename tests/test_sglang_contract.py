@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from services.contracts import sglang_api as api
 from services.contracts.messages import SamplingParams
-from services.inference import server
+from services.engine import server
 from services.rollout.engine_client import EngineClient
 
 PINNED = "0.5.23"

@@ -1,14 +1,20 @@
 """CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N]
-[--max-batch B] [--engine-id ID]`` serves the embedded engine with uvicorn."""
+[--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W]`` serves the embedded
+engine with uvicorn."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import uvicorn
 
 from services.engine.server import create_app
+
+# Idle keep-alive connections are kept longer than HTTP clients keep theirs (httpx and aiohttp: 5 s
+# and 15 s), so a client never reuses a connection that the engine is closing at that moment.
+KEEP_ALIVE_S = 65
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,12 +26,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--engine-id", default=None,
                         help="reported as meta_info.engine in /generate replies (SGLang has no such field)")
+    parser.add_argument("--admit-quiet-ms", type=float, default=2.0,
+                        help="admit queued requests once none has arrived for this long")
+    parser.add_argument("--admit-window-ms", type=float, default=20.0,
+                        help="... or once the oldest queued request has waited this long")
+    parser.add_argument("--switch-interval-ms", type=float, default=5.0,
+                        help="the interpreter's thread switch interval (Python's default: 5 ms): how long the "
+                             "event loop and the model thread may wait for each other's GIL")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.admit_quiet_ms < 0 or args.admit_window_ms < 0:
+        parser.error("--admit-quiet-ms and --admit-window-ms must be >= 0")
+    if args.switch_interval_ms <= 0:
+        parser.error("--switch-interval-ms must be > 0")
+    sys.setswitchinterval(args.switch_interval_ms / 1000)
     app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
-                     engine_id=args.engine_id)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+                     engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
+                     admit_window_s=args.admit_window_ms / 1000)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The embedded engine's HTTP server: SGLang's native API (DESIGN §5) over ``generator.Engine``.
 
-``create_app(model_path, weight_version, max_batch, engine_id)`` loads the model
+``create_app(model_path, weight_version, max_batch, engine_id, admit_quiet_s, admit_window_s)`` loads the model
 and returns a FastAPI app serving ``/health``, ``/health_generate``,
 ``/get_model_info`` (+ ``/model_info``), ``/get_server_info`` (+ ``/server_info``),
 ``/get_load``, ``/generate``, ``/update_weights_from_disk``, ``/get_weight_version``,
@@ -13,13 +13,14 @@ Bad input is answered 400 with SGLang's error object (``error_body``), never
 a 500. The router adds a few SGLang fields of its own to every ``/generate``
 body (``model``, ``log_metrics``, ``return_text_in_logprobs``...); those are
 accepted when they ask for nothing this engine lacks, any other unknown
-field is rejected.
+field is rejected. ``/generate`` itself (single and batch bodies, orjson in and out) is
+``generate_api``; ``/get_server_info``'s ``internal_states`` carry the engine's counters
+(prefills, decode steps, requests that joined or left a running batch).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,68 +30,46 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from starlette.routing import Route
 
 from services.contracts.sglang_api import (
     AbortReqInput,
     ContinueGenerationReqInput,
-    GenerateReqInput,
-    GenerateReqOutput,
     PauseGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     error_body,
 )
-from services.inference.generator import Engine, EngineError, GenRequest
+from services.engine.generate_api import (
+    ROUTER_FIELDS,
+    json_response,
+    load_json,
+    parse_generate,
+    replies,
+    validate,
+    validation_message,
+)
+from services.inference.generator import Engine
+from services.inference.request import EngineError, GenRequest
 
 VERSION = "0.5.0-tandem-embedded"
-
-# Fields SGLang's router adds to /generate bodies: name -> values we can honour (None: any value).
-_ROUTER_FIELDS: dict[str, tuple[Any, ...] | None] = {
-    "model": None, "log_metrics": None, "no_logs": None, "return_text_in_logprobs": None,
-    "return_hidden_states": (False,), "background": (False,), "return_bytes": (False,),
-    "return_entropy": (False,), "logprob_start_len": None, "top_logprobs_num": (None, 0),
-    "custom_labels": None,
-}
+_ROUTER_FIELDS = ROUTER_FIELDS  # the name the contract test reads
 
 
 def _bad(message: str, code: int = 400) -> JSONResponse:
     return JSONResponse(error_body(message, code), status_code=code)
 
 
-def _validation_message(exc: ValidationError | RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
-
-
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
     """Parse a JSON body into ``model``; raise EngineError with the reason otherwise."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EngineError(f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise EngineError("body must be a JSON object")
-    if model is GenerateReqInput:
-        extras = {name: body.pop(name) for name in _ROUTER_FIELDS if name in body}
-        for name, value in extras.items():
-            allowed = _ROUTER_FIELDS[name]
-            if allowed is not None and value not in allowed:
-                raise EngineError(f"{name}={value!r} is not supported by the embedded engine")
-        request.state.text_in_logprobs = bool(extras.get("return_text_in_logprobs", False))
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise EngineError(_validation_message(exc)) from None
+    return validate(model, load_json(await request.body()))
 
 
 def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
-               engine_id: str | None = None) -> FastAPI:
-    engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch)
+               engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02) -> FastAPI:
+    engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch,
+                    admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s)
     path = str(Path(model_path).resolve())
 
     @asynccontextmanager
@@ -103,7 +82,7 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _bad(_validation_message(exc))
+        return _bad(validation_message(exc))
 
     @app.exception_handler(EngineError)
     async def _on_engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -121,7 +100,7 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
                 "max_running_requests": engine.max_batch, "context_length": engine.context_len,
                 "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
                 "disaggregation_mode": "null", "device": "cpu", "dtype": "float32",
-                "internal_states": [{"paused": engine.paused, **engine.load()}]}
+                "internal_states": [{"paused": engine.paused, **engine.load(), **engine.stats}]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -152,50 +131,13 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": str(engine.weight_version)}
 
-    def reply(req: GenRequest, req_in: GenerateReqInput, prompt_len: int, start: float,
-              with_text: bool) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": req.rid, "finish_reason": req.finish, "prompt_tokens": prompt_len,
-            "completion_tokens": len(req.output_ids), "cached_tokens": 0,
-            "weight_version": str(req.weight_version), "weight_versions": req.weight_version_spans(),
-            "e2e_latency": time.perf_counter() - start,
-        }
-        if engine_id is not None:
-            meta["engine"] = engine_id
-        if req_in.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t, engine.tokenizer.decode([t]) if with_text else None]
-                for lp, t in zip(req.logprobs, req.output_ids, strict=True)]
-        text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        matched = (req.finish or {}).get("matched")
-        if isinstance(matched, str) and matched in text:  # as SGLang (no_stop_trim false): text ends before it
-            text = text[:text.index(matched)]
-        out = GenerateReqOutput.model_validate({"text": text, "output_ids": req.output_ids, "meta_info": meta})
-        body = out.model_dump(mode="json", exclude_none=True)
-        body["meta_info"]["finish_reason"] = req.finish  # SGLang's to_json(): every key, None included
-        return body
+    async def generate(request: Request) -> Response:
+        call = parse_generate(await request.body(), engine)
+        await engine.generate_many(call.requests)
+        return json_response(replies(call, engine, engine_id))
 
-    @app.post("/generate")
-    async def generate(request: Request) -> JSONResponse:
-        req_in: GenerateReqInput = await _parse(request, GenerateReqInput)
-        sp = req_in.sampling_params
-        ids = req_in.input_ids
-        if ids is None:
-            ids = list(engine.tokenizer(req_in.text)["input_ids"])
-            if not ids:
-                raise EngineError("text tokenizes to no tokens")
-        stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
-        rid = req_in.rid or uuid.uuid4().hex
-        reqs = [GenRequest(rid=rid if sp.n == 1 else f"{rid}-{i}", input_ids=list(ids), temperature=sp.temperature,
-                           top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
-                           stop_token_ids=frozenset(sp.stop_token_ids or ()), stop_strings=stop,
-                           seed=None if sp.sampling_seed is None else sp.sampling_seed + i, ignore_eos=sp.ignore_eos)
-                for i in range(sp.n)]
-        start = time.perf_counter()
-        await asyncio.gather(*(engine.generate(r) for r in reqs))
-        with_text = request.state.text_in_logprobs
-        outs = [reply(r, req_in, len(ids), start, with_text) for r in reqs]
-        return JSONResponse(outs[0] if sp.n == 1 else outs)
+    # A plain Starlette route: the hot path skips FastAPI's per-request dependency solving.
+    app.router.routes.append(Route("/generate", generate, methods=["POST"]))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:

@@ -2,11 +2,18 @@
 
 The worker thread owns the model and loops step by step. Each step it
 1. runs a pending weight load when it may (see below);
-2. admits queued requests into the running batch (up to ``max_batch`` rows): their prompts are
-   prefilled together (left-padded, explicit position ids) and their KV cache is merged into the
-   running batch's cache (both left-padded to one length, all-padding columns dropped);
+2. admits queued requests into the running batch (up to ``max_batch`` rows) once admission is due
+   (below): their prompts are prefilled together (left-padded, explicit position ids) and their KV
+   cache is merged into the running batch's cache (both left-padded to one length, all-padding
+   columns dropped);
 3. decodes one token for every running row, samples per row (temperature, top-p, top-k, its own
    seeded generator) and lets finished rows leave the batch (their cache rows are dropped).
+
+Admission in short windows: requests reach the engine one by one (one HTTP request each), so a
+prefill per arrival would split the batch into many small groups, each decoding out of step with the
+others. Queued requests are admitted once no new one has arrived for ``admit_quiet_s``, the oldest
+has waited ``admit_window_s``, or they fill the batch's free room; meanwhile the running rows go on
+decoding. ``generate_many`` queues many requests at once (SGLang's batch ``/generate``).
 
 A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``), as
 the trainer's full-sequence forward computes it; top-p / top-k only restrict what may be drawn.
@@ -22,94 +29,35 @@ request records the token counts at which its version changed, reported as SGLan
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from services.inference.batch import RunningBatch
+from services.inference.request import Completion, EngineError, GenRequest, resolve_all
 from services.inference.sampling import sample
+from services.inference.weights import load_weights
 
 log = logging.getLogger("tandem.engine")
 _GREEDY_BELOW = 1e-6  # as in SGLang: a lower temperature means greedy, logprobs of T = 1
 
+__all__ = ["Engine", "EngineError", "GenRequest"]
 
-class EngineError(ValueError):
-    """A request the engine cannot serve as given (the HTTP layer answers 400)."""
-
-
-class _Completion:
-    """An asyncio future of the caller's loop, resolved from the worker thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.future: asyncio.Future[Any] = self.loop.create_future()
-
-    def _set(self, value: Any, exc: BaseException | None) -> None:
-        if not self.future.done():  # done: the caller went away (cancelled)
-            self.future.set_exception(exc) if exc is not None else self.future.set_result(value)
-
-    def resolve(self, value: Any = None, exc: BaseException | None = None) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
-            self.loop.call_soon_threadsafe(self._set, value, exc)
-
-
-@dataclass
-class GenRequest:
-    """One generation request (one sample) and, once done, its result."""
-
-    rid: str
-    input_ids: list[int]
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 128
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    weight_version: int = -1  # the version of the last token (SGLang's meta_info.weight_version)
-    version_events: list[tuple[int, int]] = field(default_factory=list)  # (old version, tokens made on it)
-    aborted: bool = False
-    done: _Completion | None = field(default=None, repr=False)
-    gen: torch.Generator | None = field(default=None, repr=False)
-
-    def weight_version_spans(self) -> list[dict[str, Any]]:
-        """SGLang's ``meta_info.weight_versions``: which version produced which output tokens."""
-        n = len(self.output_ids)
-        spans: list[dict[str, Any]] = []
-        for version, end in [*self.version_events, (self.weight_version, n)]:
-            end = min(end, n)
-            if spans and end <= spans[-1]["end"]:
-                continue
-            if spans and spans[-1]["version"] == str(version):
-                spans[-1]["end"] = end
-                continue
-            spans.append({"version": str(version), "start": spans[-1]["end"] if spans else 0, "end": end})
-        return spans
-
-
-def _finish_abort(r: GenRequest, message: str | None = None) -> None:
-    r.finish = r.finish or {"type": "abort", "message": message or f"request {r.rid} aborted",
-                            "status_code": None, "err_type": None}
+_Op = tuple[Callable[[], Any], Completion]
 
 
 class Engine:
     """The model plus its worker thread. Thread-safe; async entry points."""
 
-    def __init__(self, model_path: str | Path, weight_version: int = 0, max_batch: int = 64) -> None:
+    def __init__(self, model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
+                 admit_quiet_s: float = 0.002, admit_window_s: float = 0.02) -> None:
         torch.set_num_threads(1)
         self.model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -123,15 +71,17 @@ class Engine:
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
         self.weight_version = int(weight_version)
         self.max_batch = max(1, int(max_batch))
+        self.admit_quiet_s, self.admit_window_s = float(admit_quiet_s), float(admit_window_s)
         self._cv = threading.Condition()
         self._queue: list[GenRequest] = []
+        self._last_arrival = 0.0
         self._batch = RunningBatch()
-        self._ops: list[tuple[Callable[[], Any], _Completion]] = []
+        self._ops: list[_Op] = []
         self.paused = False
         self._stopped = False
         self.last_step_at = time.monotonic()
-        # decode steps; requests that joined a running batch; requests that left while others ran on
-        self.stats = {"decode_steps": 0, "joined_running": 0, "left_running": 0}
+        # prefills; decode steps; requests that joined a running batch; that left while others ran on
+        self.stats = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -149,22 +99,33 @@ class Engine:
         req.max_new_tokens = min(req.max_new_tokens, self.context_len - len(req.input_ids))
 
     async def generate(self, req: GenRequest) -> GenRequest:
-        self.check(req)
-        req.done = _Completion()
+        return (await self.generate_many([req]))[0]
+
+    async def generate_many(self, reqs: list[GenRequest]) -> list[GenRequest]:
+        """Queue every request at once (they may share one prefill); their results, in order."""
+        for r in reqs:
+            self.check(r)
+        now = time.monotonic()
+        for r in reqs:
+            r.done, r.queued_at = Completion(), now
         with self._cv:
-            self._queue.append(req)
-            self._cv.notify_all()
+            wake = not self._queue or len(self._queue) + len(reqs) >= self.max_batch - len(self._batch.rows)
+            self._queue.extend(reqs)
+            self._last_arrival = now
+            if wake:  # otherwise the worker is decoding or in a timed wait for the admission window
+                self._cv.notify_all()
         try:
-            return await req.done.future
+            return list(await asyncio.gather(*(r.done.future for r in reqs if r.done is not None)))
         except asyncio.CancelledError:
-            req.aborted = True  # the client went away: its row leaves the batch at the next step
-            with self._cv, contextlib.suppress(ValueError):
-                self._queue.remove(req)
+            with self._cv:  # the client went away: queued ones go, running rows leave at the next step
+                for r in reqs:
+                    r.aborted = True
+                self._queue = [q for q in self._queue if not q.aborted]
             raise
 
     async def run_op(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread once no request is running (or at once while paused)."""
-        done = _Completion()
+        done = Completion()
         with self._cv:
             self._ops.append((fn, done))
             self._cv.notify_all()
@@ -179,12 +140,13 @@ class Engine:
         """Abort queued and running requests by rid (or all); returns how many."""
         with self._cv:
             hit = [r for r in self._queue + self._batch.rows + self._batch.joining if abort_all or r.rid == rid]
+            queued = [r for r in hit if r in self._queue]
             for r in hit:
                 r.aborted = True
-                if r in self._queue and r.done is not None:  # queued: answer now; running: at next step
-                    self._queue.remove(r)
-                    _finish_abort(r)
-                    r.done.resolve(r)
+            for r in queued:  # queued: answer now; running: at the next step
+                r.abort()
+            self._queue = [q for q in self._queue if not q.aborted]
+            resolve_all(queued)
             self._cv.notify_all()
         return len(hit)
 
@@ -212,25 +174,8 @@ class Engine:
     # ----- the worker thread -----
 
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stopped and not self._ops and not self._batch.rows and (
-                        self.paused or not self._queue):
-                    self._cv.wait()
-                if self._stopped:
-                    self._fail_all("engine stopped")
-                    return
-                ops = []
-                if self._ops and (self.paused or not self._batch.rows):
-                    ops, self._ops = self._ops, []
-                admit: list[GenRequest] = []
-                if not self.paused and not self._ops and not ops:
-                    room = self.max_batch - len(self._batch.rows)
-                    admit, self._queue = self._queue[:room], self._queue[room:]
-                    self._batch.joining = admit
-                idle = self.paused and not ops and not admit
-                if idle:  # paused with rows frozen in the batch: wait for continue, an op, an abort
-                    self._cv.wait(timeout=0.5)
+        while (work := self._next_work()) is not None:
+            ops, admit, idle = work
             for fn, done in ops:
                 try:
                     done.resolve(self._run_op(fn))
@@ -243,6 +188,44 @@ class Engine:
             except Exception as exc:
                 log.exception("step failed; aborting the %d running request(s)", len(self._batch.rows))
                 self._fail_all(f"engine error: {exc}", also=admit)
+        self._fail_all("engine stopped")
+
+    def _next_work(self) -> tuple[list[_Op], list[GenRequest], bool] | None:
+        """Under the lock: (weight ops to run, requests to admit, idle-while-paused); None once stopped.
+        Waits while there is nothing to do, or only queued requests whose admission is not yet due."""
+        with self._cv:
+            while not self._stopped:
+                ops: list[_Op] = []
+                if self._ops and (self.paused or not self._batch.rows):
+                    ops, self._ops = self._ops, []
+                admit = [] if ops else self._admit_now()
+                if ops or admit or (self._batch.rows and not self.paused):
+                    return ops, admit, False
+                if self._batch.rows:  # paused with rows frozen in the batch: wait for continue, an op, an abort
+                    self._cv.wait(timeout=0.5)
+                    return [], [], True
+                self._cv.wait(timeout=self._admission_in())
+            return None
+
+    def _admission_in(self) -> float | None:
+        """Seconds until the queue's admission is due (0: now); None: nothing may be admitted."""
+        if self.paused or self._ops or not self._queue:
+            return None
+        room = self.max_batch - len(self._batch.rows)
+        if room <= 0:
+            return None
+        if len(self._queue) >= room:
+            return 0.0
+        due = min(self._last_arrival + self.admit_quiet_s, self._queue[0].queued_at + self.admit_window_s)
+        return max(0.0, due - time.monotonic())
+
+    def _admit_now(self) -> list[GenRequest]:
+        if self._admission_in() != 0.0:
+            return []
+        room = self.max_batch - len(self._batch.rows)
+        admit, self._queue = self._queue[:room], self._queue[room:]
+        self._batch.joining = admit
+        return admit
 
     def _run_op(self, fn: Callable[[], Any]) -> Any:
         old = self.weight_version
@@ -260,14 +243,13 @@ class Engine:
             rows += self._queue if self._stopped else []
             self._batch = RunningBatch()
         for r in rows:
-            _finish_abort(r, message)
-            if r.done is not None:
-                r.done.resolve(r)
+            r.abort(message)
+        resolve_all(rows)
 
     def _drop_aborted(self) -> bool:
         gone = [i for i, r in enumerate(self._batch.rows) if r.aborted]
         for i in gone:
-            _finish_abort(self._batch.rows[i])
+            self._batch.rows[i].abort()
         self._leave(gone)
         return bool(gone)
 
@@ -277,9 +259,7 @@ class Engine:
         with self._cv:
             left = self._batch.remove(idx)
             self.stats["left_running"] += len(left) if self._batch.rows else 0
-        for r in left:
-            if r.done is not None:
-                r.done.resolve(r)
+        resolve_all(left)
 
     @torch.inference_mode()
     def _step(self, admit: list[GenRequest]) -> None:
@@ -302,14 +282,12 @@ class Engine:
             r.weight_version = self.weight_version
             r.gen = torch.Generator().manual_seed(r.seed if r.seed is not None else random.getrandbits(62))
             if r.aborted:
-                _finish_abort(r)
+                r.abort()
             elif r.max_new_tokens <= 0:
                 r.finish = {"type": "length", "length": 0}
             else:
                 live.append(r)
-        for r in reqs:
-            if r.finish is not None and r.done is not None:
-                r.done.resolve(r)
+        resolve_all([r for r in reqs if r.finish is not None])
         if not live:
             with self._cv:
                 self._batch.joining = []
@@ -322,6 +300,7 @@ class Engine:
             mask[i, width - len(r.input_ids):] = 1
         pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        self.stats["prefills"] += 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         toks, lps = self._sample(out.logits[:, -1, :].float(), live)
         with self._cv:
@@ -341,7 +320,7 @@ class Engine:
         for i, tok, lp in zip(idx, toks, lps, strict=True):
             r = self._batch.rows[i]
             if r.aborted:
-                _finish_abort(r)
+                r.abort()
             else:
                 r.output_ids.append(tok)
                 r.logprobs.append(lp)
@@ -359,31 +338,13 @@ class Engine:
         return sample(logits, [r.temperature for r in rows], [r.top_p for r in rows], [r.top_k for r in rows],
                       [r.gen for r in rows])
 
+
     def _stop_string(self, r: GenRequest) -> str | None:
         tail = self.tokenizer.decode(r.output_ids[-64:])
         return next((s for s in r.stop_strings if s and s in tail), None)
 
     def _load_weights(self, model_path: str, version: int | None) -> int:
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise EngineError(f"no .safetensors files in {model_path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                state.update(load_file(str(f)))
-            except Exception as exc:
-                raise EngineError(f"cannot read {f}: {exc}") from exc
-        expected = self.model.state_dict()
-        tied = getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" in expected
-        if tied and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-        if missing or unexpected:
-            raise EngineError(f"weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        shapes = [k for k, v in expected.items() if tuple(v.shape) != tuple(state[k].shape)]
-        if shapes:
-            raise EngineError(f"shape mismatch for {shapes[:5]}")
-        self.model.load_state_dict(state, strict=True)
+        load_weights(self.model, model_path)
         self.weight_version = int(version) if version is not None else self.weight_version + 1
         log.info("loaded weights from %s as version %d", model_path, self.weight_version)
         return self.weight_version

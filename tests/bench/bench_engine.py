@@ -1,13 +1,27 @@
-"""Engine benchmarks, side by side in one run on the demo model's architecture.
+"""Engine benchmarks: the embedded engine over HTTP against a batched ``model.generate``, side by side.
 
-* ``ratio_vs_hf_generate``: tokens/s of the embedded engine (a real ``python -m services.engine``
-  process, over HTTP) serving 32 concurrent requests × 64 new tokens, over tokens/s of naive
-  per-request ``model.generate`` (one request after the other) on the same model and prompts.
-* ``router_overhead_ratio``: wall time of the same load through the real sglang-router over wall
-  time straight to the engine (1.0 = no overhead; best of two alternating runs each).
-* ``weight_update_ms``: ``POST /update_weights_from_disk`` of the demo model, idle engine, median of 5.
-* ``hf_generate_batch_tokens_per_s``: transformers' own continuous batching (``generate_batch``) on
-  the same load, the alternative the engine's scheduler was measured against.
+The headline (``ratio_vs_batched_generate``, per concurrency): at each concurrency ``c`` in
+``CONCURRENCY`` the bench sends ``c`` requests at once (each ``N_NEW`` new tokens, ``ignore_eos``,
+temperature 1, its own seed, logprobs on, as the rollout asks) to a real ``python -m services.engine``
+process over HTTP, and runs one batched ``model.generate`` on the same ``c`` prompts in this process
+(left-padded with an attention mask, KV cache, ``do_sample``, temperature 1, no top-k/top-p,
+``min_new_tokens`` = ``max_new_tokens`` = ``N_NEW``, one torch thread as the engine's model thread).
+Ratio = generate's wall time / the engine's wall time (= engine tokens/s over generate tokens/s).
+The two arms alternate (which goes first flips every round) for ``ROUNDS`` rounds; every figure is
+the median over rounds, never a best. Latency: p50 and p99 of the engine's per-request HTTP latency
+over all rounds (generate answers every prompt at once, so its latency is its wall time).
+``batch_call`` is the same load sent as one SGLang batch ``/generate`` (``input_ids`` a list of lists).
+The engine's own counters give prefills and decode steps per round (``N_NEW`` steps is the floor).
+The load generator is aiohttp, whose client costs ~0.2 ms of CPU per request here; httpx (what the
+rollout's ``EngineClient`` uses) costs ~5 ms per request at 128 concurrent on this machine, which
+alone would make the client the bottleneck, so ``ratio_vs_batched_generate_httpx_client`` gives
+the same measure with httpx as a secondary line.
+
+Secondary lines: ``ratio_vs_sequential_generate`` (one ``model.generate`` per request, one after the
+other: what the bench used to compare with), ``router_overhead_ratio`` (wall time through the real
+sglang-router over straight to the engine, median of alternated rounds) and ``weight_update_ms``.
+``load_average`` is the machine's 1-minute load before and after: the box is shared, so absolute
+tokens/s are noisy and only the side-by-side ratios mean much.
 
 The model: ``models/demo-ttt`` when ``tandem init-demo`` made it, else a fresh model of the same
 architecture and size (``services/demo``); speed does not depend on the weights' values.
@@ -22,10 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+import orjson
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -35,7 +52,14 @@ from services.demo.tiny_model import create_tiny_model
 from services.demo.warmstart import DEFAULT_HIDDEN, DEFAULT_LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
-N_REQ, N_NEW = 32, 64
+# The engine's code: this checkout, or BENCH_ENGINE_ROOT (another checkout, for before/after figures).
+ENGINE_ROOT = Path(os.environ.get("BENCH_ENGINE_ROOT", ROOT))
+BATCH_CALL = os.environ.get("BENCH_BATCH_CALL", "1") == "1"  # 0: an engine without batch /generate
+ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, for tuning
+CONCURRENCY = tuple(int(c) for c in os.environ.get("BENCH_CONCURRENCY", "1,8,32,64,128").split(","))
+HTTPX_CONCURRENCY = (32, 128)
+N_NEW, ROUNDS, MAX_BATCH = 64, 5, 128
+SEQUENTIAL_N = 16  # prompts for the secondary per-request generate line
 
 
 def _model_dir(tmp: Path) -> Path:
@@ -45,103 +69,239 @@ def _model_dir(tmp: Path) -> Path:
     return create_tiny_model(tmp / "demo-arch", seed=0, hidden=DEFAULT_HIDDEN, layers=DEFAULT_LAYERS)
 
 
-def _prompts() -> list[list[int]]:
-    return [[5 + (i * 7 + j) % 200 for j in range(8 + i % 17)] for i in range(N_REQ)]
+def prompts(n: int) -> list[list[int]]:
+    return [[5 + (i * 7 + j) % 200 for j in range(8 + i % 17)] for i in range(n)]
 
 
-def naive_generate(model_dir: Path, prompts: list[list[int]]) -> float:
-    torch.set_num_threads(1)  # as the engine
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=True, temperature=1.0, top_k=0,
-                           pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id)
-    model.generate(torch.tensor([prompts[0]]), generation_config=cfg)  # warm-up
-    start, tokens = time.perf_counter(), 0
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), generation_config=cfg)
-            tokens += out.shape[1] - len(p)
-    return tokens / (time.perf_counter() - start)
+class Generate:
+    """``model.generate`` in this process, on one torch thread (as the engine's model thread)."""
 
+    def __init__(self, model_dir: Path) -> None:
+        torch.set_num_threads(1)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        cfg = self.model.config
+        self.pad = int(cfg.pad_token_id)
+        self.cfg = GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=True, temperature=1.0,
+                                    top_k=0, top_p=1.0, pad_token_id=self.pad, eos_token_id=cfg.eos_token_id)
+        self.batched(prompts(4))  # warm-up
 
-def hf_generate_batch(model_dir: Path, prompts: list[list[int]]) -> float:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = GenerationConfig(max_new_tokens=N_NEW, do_sample=True, temperature=1.0, top_k=0, eos_token_id=-1,
-                           pad_token_id=model.config.pad_token_id)
-    start = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=cfg, warmup=False)
-    return sum(len(o.generated_tokens) for o in out.values()) / (time.perf_counter() - start)
-
-
-async def _load(url: str, prompts: list[list[int]]) -> tuple[float, int]:
-    async with httpx.AsyncClient(timeout=600) as http:
-        async def one(i: int, p: list[int]) -> int:
-            resp = await http.post(f"{url}/generate", json={
-                "input_ids": p, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": N_NEW, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i}})
-            resp.raise_for_status()
-            return len(resp.json()["output_ids"])
+    @torch.inference_mode()
+    def batched(self, batch: list[list[int]]) -> float:
+        """Seconds for one left-padded batched generate of ``batch``."""
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-        return time.perf_counter() - start, tokens
+        out = self.model.generate(ids, attention_mask=mask, generation_config=self.cfg)
+        took = time.perf_counter() - start
+        assert out.shape[1] - width == N_NEW
+        return took
+
+    def sequential(self, batch: list[list[int]]) -> float:
+        """Seconds for one generate per prompt, one after the other."""
+        return sum(self.batched([p]) for p in batch)
+
+
+def _body(p: list[int] | list[list[int]], seed: int) -> dict[str, Any]:
+    return {"input_ids": p, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": N_NEW, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed}}
+
+
+class Client:
+    """The load generator: aiohttp (cheap per request), or httpx (what the rollout uses) for comparison."""
+
+    def __init__(self, use_httpx: bool = False) -> None:
+        self.use_httpx = use_httpx
+        # idle connections closed before the engine's keep-alive (uvicorn's default: 5 s) closes them
+        self.aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
+        limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH)
+        self.httpx = httpx.AsyncClient(timeout=600, limits=limits)
+
+    async def post(self, url: str, body: dict[str, Any]) -> Any:
+        if self.use_httpx:
+            resp = await self.httpx.post(url, json=body)
+            resp.raise_for_status()
+            return resp.json()
+        async with self.aio.post(url, data=orjson.dumps(body), headers={"content-type": "application/json"}) as r:
+            r.raise_for_status()
+            return orjson.loads(await r.read())
+
+    async def get(self, url: str) -> Any:
+        async with self.aio.get(url) as r:
+            r.raise_for_status()
+            return orjson.loads(await r.read())
+
+    async def close(self) -> None:
+        await self.aio.close()
+        await self.httpx.aclose()
+
+
+async def burst(http: Client, url: str, batch: list[list[int]]) -> tuple[float, list[float]]:
+    """Send every prompt at once, one request each; (wall seconds, per-request latencies)."""
+    async def one(i: int, p: list[int]) -> float:
+        start = time.perf_counter()
+        out = await http.post(f"{url}/generate", _body(p, i))
+        assert len(out["output_ids"]) == N_NEW
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    lat = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+    return time.perf_counter() - start, list(lat)
+
+
+async def batch_call(http: Client, url: str, batch: list[list[int]]) -> float:
+    """The same prompts as one SGLang batch ``/generate``; wall seconds."""
+    start = time.perf_counter()
+    out = await http.post(f"{url}/generate", _body(batch, 0))
+    assert [len(o["output_ids"]) for o in out] == [N_NEW] * len(batch)
+    return time.perf_counter() - start
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+async def _counters(http: Client, url: str) -> dict[str, int]:
+    state = (await http.get(f"{url}/get_server_info"))["internal_states"][0]
+    return {k: int(state.get(k, 0)) for k in ("prefills", "decode_steps")}
+
+
+async def _alternated(gen: Callable[[], float], served: Callable[[], Awaitable[float]],
+                      rnd: int) -> tuple[float, float]:
+    """(generate seconds, served seconds), the arm that goes first flipping with the round."""
+    if rnd % 2:
+        s = await served()
+        return gen(), s
+    g = gen()
+    return g, await served()
+
+
+async def _rounds(gen: Generate, served: Callable[[list[list[int]]], Awaitable[float]], c: int,
+                  rounds: int = ROUNDS) -> list[tuple[float, float]]:
+    """Per round: (generate's wall time, the engine's) on the same ``c`` prompts."""
+    batch = prompts(c)
+    return [await _alternated(lambda: gen.batched(batch), lambda: served(batch), rnd) for rnd in range(rounds)]
+
+
+def _median_ratio(walls: list[tuple[float, float]]) -> float:
+    return statistics.median(g / e for g, e in walls)
+
+
+async def _one_concurrency(http: Client, url: str, gen: Generate, c: int) -> dict[str, Any]:
+    lats: list[float] = []
+
+    async def served(batch: list[list[int]]) -> float:
+        wall, lat = await burst(http, url, batch)
+        lats.extend(lat)
+        return wall
+
+    before = await _counters(http, url)
+    walls = await _rounds(gen, served, c)
+    after = await _counters(http, url)
+    calls = await _rounds(gen, lambda b: batch_call(http, url, b), c) if BATCH_CALL else []
+    ratios = [g / e for g, e in walls]
+    gen_s, eng_s = statistics.median(g for g, _ in walls), statistics.median(e for _, e in walls)
+    return {
+        "ratio_vs_batched_generate": round(statistics.median(ratios), 3),
+        "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        "engine_tokens_per_s": round(c * N_NEW / eng_s, 1),
+        "batched_generate_tokens_per_s": round(c * N_NEW / gen_s, 1),
+        "p50_latency_s": round(_pct(lats, 0.5), 4), "p99_latency_s": round(_pct(lats, 0.99), 4),
+        "batched_generate_latency_s": round(gen_s, 4),
+        "prefills_per_round": round((after["prefills"] - before["prefills"]) / ROUNDS, 1),
+        "decode_steps_per_round": round((after["decode_steps"] - before["decode_steps"]) / ROUNDS, 1),
+        "batch_call_ratio_vs_batched_generate": round(_median_ratio(calls), 3) if calls else None,
+    }
 
 
 def _start(model_dir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ENGINE_ROOT), "HF_HUB_OFFLINE": "1"}
     port, rport = free_port(), free_port()
     engine = f"http://127.0.0.1:{port}"
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(model_dir),
-                                   "--port", str(port), "--max-batch", "64"], env=env, cwd=ROOT,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    cmd = [sys.executable, "-m", "services.engine", "--model-path", str(model_dir), "--port", str(port),
+           "--max-batch", str(MAX_BATCH), *ENGINE_ARGS]
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     procs.append(subprocess.Popen(router_command(rport, [engine]), env=env, cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return engine, f"http://127.0.0.1:{rport}"
 
 
-async def _served(model_dir: Path, prompts: list[list[int]], engine: str, router: str) -> dict[str, float]:
+async def _router_and_update(http: Client, engine: str, router: str, model_dir: Path) -> dict[str, float]:
+    batch, direct, routed = prompts(32), [], []
+    for rnd in range(3):
+        pair = [burst(http, engine, batch), burst(http, router, batch)]
+        for arm in (pair if rnd % 2 == 0 else pair[::-1]):
+            (direct if arm is pair[0] else routed).append((await arm)[0])
+    times = []
+    for v in range(1, 6):
+        start = time.perf_counter()
+        out = await http.post(f"{engine}/update_weights_from_disk",
+                              {"model_path": str(model_dir), "weight_version": str(v)})
+        times.append((time.perf_counter() - start) * 1000)
+        assert out["success"], out
+    return {"router_overhead_ratio": round(statistics.median(r / d for r, d in zip(routed, direct, strict=True)), 3),
+            "weight_update_ms": round(statistics.median(times), 1)}
+
+
+async def _secondary(http: Client, engine: str, router: str, model_dir: Path, gen: Generate) -> dict[str, Any]:
+    seq_batch = prompts(SEQUENTIAL_N)
+    seq = [await _alternated(lambda: gen.sequential(seq_batch),
+                             lambda: _wall(burst(http, engine, seq_batch)), rnd) for rnd in range(2)]
+    http.use_httpx = True
+    with_httpx = {str(c): round(_median_ratio(
+        await _rounds(gen, lambda b: _wall(burst(http, engine, b)), c, rounds=3)), 3) for c in HTTPX_CONCURRENCY}
+    http.use_httpx = False
+    return {"ratio_vs_sequential_generate": round(statistics.median(g / e for g, e in seq), 2),
+            "ratio_vs_batched_generate_httpx_client": with_httpx,
+            **await _router_and_update(http, engine, router, model_dir)}
+
+
+async def _served(model_dir: Path, engine: str, router: str, gen: Generate) -> dict[str, Any]:
     await wait_healthy(engine, timeout=120)
     await wait_healthy(router, timeout=60)
     for _ in range(600):
         if await list_workers(router, healthy_only=True):
             break
         await asyncio.sleep(0.2)
-    await _load(engine, prompts[:4])  # warm-up
-    direct, routed = [], []
-    for _ in range(2):
-        direct.append(await _load(engine, prompts))
-        routed.append(await _load(router, prompts))
-    best_direct, best_routed = min(direct), min(routed)
-    async with httpx.AsyncClient(timeout=120) as http:
-        times = []
-        for v in range(1, 6):
-            start = time.perf_counter()
-            resp = await http.post(f"{engine}/update_weights_from_disk",
-                                   json={"model_path": str(model_dir), "weight_version": str(v)})
-            times.append((time.perf_counter() - start) * 1000)
-            assert resp.json()["success"], resp.text
-    return {"engine_tokens_per_s": best_direct[1] / best_direct[0],
-            "router_tokens_per_s": best_routed[1] / best_routed[0],
-            "router_overhead_ratio": best_routed[0] / best_direct[0],
-            "weight_update_ms": statistics.median(times)}
+    http = Client()
+    try:
+        for use_httpx in (True, False):  # warm-up: connections and the engine's first batch
+            http.use_httpx = use_httpx
+            await burst(http, engine, prompts(MAX_BATCH))
+        if BATCH_CALL:
+            await batch_call(http, engine, prompts(8))
+        by_c = {str(c): await _one_concurrency(http, engine, gen, c) for c in CONCURRENCY}
+        return {"by_concurrency": by_c, **await _secondary(http, engine, router, model_dir, gen)}
+    finally:
+        await http.close()
+
+
+async def _wall(run: Awaitable[tuple[float, list[float]]]) -> float:
+    return (await run)[0]
 
 
 def run() -> dict[str, Any]:
-    prompts = _prompts()
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(Path(tmp))
+        gen = Generate(model_dir)
         try:
-            served = asyncio.run(_served(model_dir, prompts, *_start(model_dir, procs)))
+            served = asyncio.run(_served(model_dir, *_start(model_dir, procs), gen))
         finally:
             for p in procs:
                 p.terminate()
                 p.wait(10)
-        naive = naive_generate(model_dir, prompts)
-        batch = hf_generate_batch(model_dir, prompts)
-    return {"model": str(model_dir.name), "requests": N_REQ, "new_tokens": N_NEW,
-            "hf_generate_tokens_per_s": round(naive, 1),
-            "engine_tokens_per_s": round(served["engine_tokens_per_s"], 1),
-            "ratio_vs_hf_generate": round(served["engine_tokens_per_s"] / naive, 2),
-            "router_tokens_per_s": round(served["router_tokens_per_s"], 1),
-            "router_overhead_ratio": round(served["router_overhead_ratio"], 3),
-            "weight_update_ms": round(served["weight_update_ms"], 1),
-            "hf_generate_batch_tokens_per_s": round(batch, 1)}
+    by_c = served.pop("by_concurrency")
+    return {"model": str(model_dir.name), "new_tokens": N_NEW, "rounds": ROUNDS, "max_batch": MAX_BATCH,
+            "ratio_vs_batched_generate": {c: v["ratio_vs_batched_generate"] for c, v in by_c.items()},
+            "engine_tokens_per_s": {c: v["engine_tokens_per_s"] for c, v in by_c.items()},
+            "by_concurrency": by_c, **served,
+            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+if __name__ == "__main__":
+    print(orjson.dumps(run(), option=orjson.OPT_INDENT_2).decode())
