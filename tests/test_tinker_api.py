@@ -180,3 +180,18 @@ def test_bad_requests_fail_as_user_errors(service: tinker.ServiceClient, tiny_mo
         service.create_lora_training_client(base_model=str(tmp_path / "nowhere"), rank=4).result()
     with pytest.raises(Exception, match="no checkpoint"):
         service.create_sampling_client(model_path="tinker://nobody:train:0/sampler_weights/x").result()
+
+
+def test_mint_two_agent_example_runs(server: TinkerServer, tiny_model_dir: Path):
+    """examples/mint_two_agents.py, unmodified, on the real SDK against the live server."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(root / "examples" / "mint_two_agents.py"), "--base-url", server.url,
+                          "--base-model", str(tiny_model_dir), "--steps", "2", "--group", "2"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 1:" in out.stdout and out.stdout.count("saved tinker://") == 1, out.stdout
