@@ -3,7 +3,7 @@
 Every training or sampling call answers at once with a future (``request_id``); the SDK
 long-polls ``/api/v1/retrieve_future`` for its result. A bad request is answered 400 with
 ``{"error", "detail", "category": "user"}``; a failed future carries the same
-``{"error", "category"}``. With ``api_keys`` set, every route but ``healthz`` needs one of
+``{"error", "category"}``. With ``api_keys`` set, every route but the health checks needs one of
 them in ``X-API-Key`` (the SDK sends its ``TINKER_API_KEY`` there).
 """
 
@@ -69,7 +69,7 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
         keys = cfg.api_keys
-        if keys and request.url.path != "/api/v1/healthz" and request.headers.get("x-api-key") not in keys:
+        if keys and request.url.path not in ("/api/v1/healthz", "/health") and request.headers.get("x-api-key") not in keys:
             return user_error("X-API-Key: missing or not one of this server's API keys", 401)
         try:
             return await call_next(request)
@@ -90,6 +90,11 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     async def healthz() -> dict[str, str]:
         await svc().store.ping()
         return {"status": "ok"}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:  # what Tandem's container HEALTHCHECK and probes ask
+        await svc().store.ping()
+        return {"service": "tinker_api", "ok": True}
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:

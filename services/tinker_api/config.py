@@ -2,7 +2,8 @@
 
 Unknown keys fail at start, naming the field. With no ``redis_url`` the service starts its
 own embedded Redis, which persists under ``data_dir/redis`` so futures survive a restart.
-API keys may also come from ``TANDEM_TINKER_API_KEYS`` (comma-separated).
+API keys may also come from ``TANDEM_TINKER_API_KEYS`` (comma-separated), and the Redis URL
+from ``TANDEM_REDIS_URL`` when the file names none (as in the compose and Kubernetes files).
 """
 
 from __future__ import annotations
@@ -50,4 +51,6 @@ def load_serve_config(path: str | None) -> ServeConfig:
     env_keys = [k.strip() for k in os.environ.get("TANDEM_TINKER_API_KEYS", "").split(",") if k.strip()]
     if env_keys:
         cfg.api_keys = [*cfg.api_keys, *env_keys]
+    if cfg.redis_url is None and os.environ.get("TANDEM_REDIS_URL"):
+        cfg.redis_url = os.environ["TANDEM_REDIS_URL"]
     return cfg
