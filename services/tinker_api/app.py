@@ -69,7 +69,8 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
         keys = cfg.api_keys
-        if keys and request.url.path not in ("/api/v1/healthz", "/health") and request.headers.get("x-api-key") not in keys:
+        open_path = request.url.path in ("/api/v1/healthz", "/health")
+        if keys and not open_path and request.headers.get("x-api-key") not in keys:
             return user_error("X-API-Key: missing or not one of this server's API keys", 401)
         try:
             return await call_next(request)

@@ -137,13 +137,14 @@ class TinkerService:
         """The request record, once it has a result or ``wait_s`` has passed (long poll)."""
         deadline = time.monotonic() + wait_s
         while True:
+            event = self._done.setdefault(rid, asyncio.Event())  # before the read: a finish after it sets it
             req = await self.store.request(rid)
             if req is None or req.get("state") != b"pending":
+                self._done.pop(rid, None)
                 return req
             left = deadline - time.monotonic()
             if left <= 0:
                 return req
-            event = self._done.setdefault(rid, asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), timeout=min(left, 1.0))
             except TimeoutError:
