@@ -52,7 +52,7 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         store = Store(redis_url)
         await store.ping()
-        svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache)
+        svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache, cfg.resolved_device())
         svc_holder["svc"] = svc
         await svc.recover()
         try:
@@ -139,6 +139,7 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
         if await svc().store.get("session", session_id) is None:
             return user_error(f"session_id: unknown session {session_id!r}", 404)
         await svc().store.touch("session", session_id, "finished", (await request.body()).decode() or "{}")
+        await svc().finish_session(session_id)
         return {}
 
     # -- models and training ------------------------------------------------------------

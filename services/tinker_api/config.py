@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -26,6 +27,16 @@ class ServeConfig(BaseModel):
     base_models: list[str] = Field(default_factory=list, description="listed in capabilities (any local "
                                                                       "model directory is served)")
     sampler_cache: int = Field(4, ge=1, description="engines (weights snapshots) kept loaded, LRU")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the trainer's device; auto = cuda if present")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigFileError("tinker_api.device: cuda was asked for, but torch sees no GPU")
+        return self.device
 
 
 class ConfigFileError(ValueError):

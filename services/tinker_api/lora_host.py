@@ -54,12 +54,13 @@ def target_modules(names: set[str], mlp: bool, attn: bool, unembed: bool) -> lis
 class BaseHost:
     """One base model directory: tokenizer, frozen weights, and the adapters of every client on it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, device: str = "cpu") -> None:
         if not (Path(path) / "config.json").is_file():
             raise UserError(f"base_model: {path!r} is not a local model directory (no config.json)")
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         self.model: torch.nn.Module = model.requires_grad_(False)
         self.config = model.config
         self.linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -96,13 +97,13 @@ class BaseHost:
     def merged_state(self, name: str | None) -> dict[str, torch.Tensor]:
         """Plain HF weights with adapter ``name`` folded in (None: the base); a fresh copy, base untouched."""
         base = self.model if self.peft is None else self.peft.get_base_model()
-        state = {k.replace(".base_layer.", "."): v.detach().clone() for k, v in base.state_dict().items()
+        state = {k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True) for k, v in base.state_dict().items()
                  if "lora_" not in k}
         if name is not None and self.peft is not None:
             for mod_name, mod in base.named_modules():
                 if isinstance(mod, LoraLayer) and name in mod.lora_A:
                     key = f"{mod_name}.weight"
-                    state[key] = state[key] + mod.get_delta_weight(name).detach()
+                    state[key] = state[key] + mod.get_delta_weight(name).detach().cpu()
         return state
 
     def export(self, name: str | None, out_dir: Path) -> Path:
@@ -153,7 +154,9 @@ class LoraClient:
         for i, d in enumerate(data):
             ids[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
             mask[i, :len(d.tokens)] = 1
-        logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        dev = self.host.device
+        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+        logp_all = torch.log_softmax(logits.float(), dim=-1)
         out = []
         for i, d in enumerate(data):
             targets = d.inputs["target_tokens"].long()
@@ -175,29 +178,31 @@ class LoraClient:
             tt = d.inputs["target_tokens"]
             if bool(((tt < 0) | (tt >= vocab)).any()):
                 raise UserError(f"data[{i}].loss_fn_inputs.target_tokens: ids outside the vocabulary ({vocab})")
+            d.inputs = {k: v.to(self.host.device) for k, v in d.inputs.items()}
         with torch.set_grad_enabled(backward):
             logps = self._logprobs(data)
             total = sum(datum_loss(loss_fn, lp, d.inputs, cfg) for lp, d in zip(logps, data, strict=True))
             assert isinstance(total, torch.Tensor)
             if backward:
                 total.backward()  # adds to the gradients of earlier calls until optim_step
-        return [lp.detach() for lp in logps], float(total.detach())
+        return [lp.detach().cpu() for lp in logps], float(total.detach())
 
     def optim_step(self, params: dict[str, Any]) -> dict[str, float]:
         for group in self.optimizer.param_groups:
             group.update(lr=float(params["learning_rate"]), betas=(float(params["beta1"]), float(params["beta2"])),
                          eps=float(params["eps"]), weight_decay=float(params["weight_decay"]))
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if params["grad_clip_norm"] > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(self.params, params["grad_clip_norm"], torch.tensor(norm))
+        total = torch.nn.utils.get_total_norm(grads) if grads else None
+        norm = float(total) if total is not None else 0.0
+        if params["grad_clip_norm"] > 0 and total is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, params["grad_clip_norm"], total)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": norm, "learning_rate:mean": float(params["learning_rate"])}
 
     # -- training state ------------------------------------------------------------------
     def state(self, optimizer: bool) -> dict[str, Any]:
-        weights = {n.replace(f".{self.name}.", ".adapter."): p.detach().clone()
+        weights = {n.replace(f".{self.name}.", ".adapter."): p.detach().to("cpu", copy=True)
                    for n, p in self.host.adapter_params(self.name).items()}
         out: dict[str, Any] = {"weights": weights, "rank": self.rank, "targets": self.targets}
         if optimizer:

@@ -75,7 +75,7 @@ def check_inputs(loss_fn: str, n_tokens: int, inputs: dict[str, torch.Tensor], i
 
 def _as_token_rows(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> LossInputs:
     n = logp.numel()
-    ones = torch.ones((n, 1), dtype=logp.dtype)
+    ones = torch.ones((n, 1), dtype=logp.dtype, device=logp.device)
     return LossInputs(logp=logp.reshape(n, 1), old_logp=old.reshape(n, 1).detach(), mask=ones,
                       advantages=adv.reshape(n).to(logp.dtype), tis_weight=ones)
 

@@ -46,9 +46,9 @@ def _json(obj: Any) -> bytes:
 
 
 class TinkerService:
-    def __init__(self, store: Store, data_dir: Path, sampler_capacity: int = 4) -> None:
+    def __init__(self, store: Store, data_dir: Path, sampler_capacity: int = 4, device: str = "cpu") -> None:
         self.store = store
-        self.workshop = Workshop(data_dir)
+        self.workshop = Workshop(data_dir, device)
         self.samplers = SamplerPool(sampler_capacity)
         self.trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._runners: dict[str, asyncio.Task[None]] = {}
@@ -84,6 +84,15 @@ class TinkerService:
 
     async def _train(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, fn, *args)
+
+    async def finish_session(self, session_id: str) -> int:
+        """A finished session's models leave memory (their logs and checkpoints stay); returns how many."""
+        prefix = f"{session_id}:train:"
+        gone = [m for m in self._runners if m.startswith(prefix)]
+        for model_id in gone:
+            self._runners.pop(model_id).cancel()
+            await self._train(self.workshop.drop, model_id)
+        return len(gone)
 
     # -- requests -----------------------------------------------------------------------
     async def submit_op(self, kind: str, model_id: str, seq: int, body: bytes, ctype: str = JSON) -> str:

@@ -38,7 +38,8 @@ def check_name(name: str | None, field: str = "path") -> str:
 
 
 class Workshop:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, device: str = "cpu") -> None:
+        self.device = device
         self.runs = Path(data_dir) / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.hosts: dict[str, BaseHost] = {}
@@ -71,7 +72,7 @@ class Workshop:
     def host(self, base_model: str) -> BaseHost:
         key = os.path.abspath(base_model)
         if key not in self.hosts:
-            self.hosts[key] = BaseHost(key)
+            self.hosts[key] = BaseHost(key, self.device)
         return self.hosts[key]
 
     def client(self, model_id: str) -> LoraClient:
@@ -128,7 +129,7 @@ class Workshop:
         return json.loads((self.resolve(path, "weights") / "meta.json").read_text())
 
     def load(self, model_id: str, path: str, optimizer: bool) -> None:
-        state = torch.load(self.resolve(path, "weights") / STATE_FILE, weights_only=False)
+        state = torch.load(self.resolve(path, "weights") / STATE_FILE, map_location="cpu", weights_only=False)
         self.client(model_id).load(state, optimizer)
 
     def drop(self, model_id: str) -> None:
