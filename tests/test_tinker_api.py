@@ -195,3 +195,18 @@ def test_mint_two_agent_example_runs(server: TinkerServer, tiny_model_dir: Path)
                          env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 1:" in out.stdout and out.stdout.count("saved tinker://") == 1, out.stdout
+
+
+def test_sampling_params_stop_seed_and_greedy(service: tinker.ServiceClient, tiny_model_dir: Path):
+    base = service.create_sampling_client(base_model=str(tiny_model_dir)).result()
+    prompt = types.ModelInput.from_ints(IDS[:6])
+    greedy = base.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])).result()
+    toks = list(greedy.sequences[0].tokens)
+    assert len(toks) == 8 and greedy.sequences[0].stop_reason == "length"
+    stop_at = toks[3]
+    cut = base.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[stop_at])).result()
+    assert list(cut.sequences[0].tokens) == toks[:toks.index(stop_at) + 1]
+    assert cut.sequences[0].stop_reason == "stop"
+    seeded = [base.sample(prompt, 3, types.SamplingParams(max_tokens=8, seed=11, stop=[])).result() for _ in range(2)]
+    assert [s.tokens for s in seeded[0].sequences] == [s.tokens for s in seeded[1].sequences]
+    assert len({tuple(s.tokens) for s in seeded[0].sequences}) > 1  # each sample draws its own stream

@@ -152,3 +152,28 @@ def test_a_future_survives_a_restart(redis_server: EmbeddedRedis, tmp_path: Path
     finally:
         client.close("success").result()
         srv.stop()
+
+
+def test_bad_http_requests_get_the_sdk_error_shape_never_a_500(server: TinkerServer):
+    def post(path: str, headers: dict[str, str] | None = None, **kw: object) -> httpx.Response:
+        return httpx.post(server.url + path, headers={"X-API-Key": KEY, **(headers or {})}, timeout=30,
+                          **kw)  # type: ignore[arg-type]
+
+    cases = [
+        post("/api/v1/forward_backward", content=b"\x08\xff\xff not a protobuf",
+             headers={"Content-Type": "application/x-protobuf"}),
+        post("/api/v1/optim_step", json={"model_id": "nobody:train:0", "seq_id": 1}),
+        post("/api/v1/optim_step", json={"model_id": "x", "seq_id": 0}),
+        post("/api/v1/optim_step", content=b"{not json"),
+        post("/api/v1/create_model", json={"session_id": "nope", "model_seq_id": 0, "base_model": "m"}),
+        post("/api/v1/create_sampling_session", json={"session_id": "nope", "sampling_session_seq_id": 0}),
+        post("/api/v1/asample", json={"sampling_session_id": "nope", "seq_id": 0, "prompt": {"chunks": []},
+                                      "sampling_params": {}}),
+        post("/api/v1/retrieve_future", json={"request_id": "nope#1"}),
+        post("/api/v1/session_heartbeat", json={"session_id": "nope"}),
+    ]
+    for r in cases:
+        assert 400 <= r.status_code < 500, (r.status_code, r.text)
+        body = r.json()
+        assert body["category"] == "user" and body["error"], body
+    assert "seq_id" in cases[2].json()["error"] and "unknown model" in cases[1].json()["error"]
