@@ -195,6 +195,10 @@ def test_mint_two_agent_example_runs(server: TinkerServer, tiny_model_dir: Path)
                          env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 1:" in out.stdout and out.stdout.count("saved tinker://") == 1, out.stdout
+    models = out.stdout.split(": ", 1)[1].splitlines()[0].split(", ")
+    for model_id in models:  # its session finished: the named checkpoints stay, the ephemeral snapshots go
+        assert (server.data_dir / "runs" / model_id / "weights").is_dir()
+        assert not list((server.data_dir / "runs" / model_id / "sampler_weights").glob("ephemeral-*"))
 
 
 def test_sampling_params_stop_seed_and_greedy(service: tinker.ServiceClient, tiny_model_dir: Path):

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.port = cfg.port if args.port is None else args.port
     if args.data_dir:
         cfg.data_dir = type(cfg.data_dir)(args.data_dir)
+    cfg.data_dir = cfg.data_dir.resolve()  # engines and snapshots are keyed by absolute paths
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     redis = None

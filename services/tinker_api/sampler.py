@@ -54,6 +54,13 @@ class SamplerPool:
             if not self._busy.get(key):
                 self._engines.pop(key).stop()
 
+    async def forget(self, weights_dirs: list[str]) -> None:
+        """Stop the idle engines of snapshots that are gone (a busy one finishes; the LRU drops it later)."""
+        async with self._lock:
+            idle = [self._engines.pop(k) for k in weights_dirs if k in self._engines and not self._busy.get(k)]
+        for engine in idle:
+            await asyncio.to_thread(engine.stop)
+
     def loaded(self) -> list[str]:
         return list(self._engines)
 

@@ -86,12 +86,14 @@ class TinkerService:
         return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, fn, *args)
 
     async def finish_session(self, session_id: str) -> int:
-        """A finished session's models leave memory (their logs and checkpoints stay); returns how many."""
+        """A finished session's models leave memory, its ephemeral snapshots the disk (named checkpoints and
+        the request logs stay); returns how many models."""
         prefix = f"{session_id}:train:"
         gone = [m for m in self._runners if m.startswith(prefix)]
         for model_id in gone:
             self._runners.pop(model_id).cancel()
-            await self._train(self.workshop.drop, model_id)
+            dirs = await self._train(self.workshop.drop, model_id)
+            await self.samplers.forget(dirs)
         return len(gone)
 
     # -- requests -----------------------------------------------------------------------
@@ -198,6 +200,9 @@ class TinkerService:
             if body.sampling_session_id is not None:
                 rec = await self.store.get("sampler", body.sampling_session_id) or {}
                 weights = rec["weights"]
+                if not await asyncio.to_thread(Path(weights).is_dir):
+                    raise UserError(f"sampling_session_id: the weights of {body.sampling_session_id} are gone "
+                                    "(an ephemeral snapshot of a finished session)")
             else:
                 weights, _ = await self.sampler_weights(body.base_model, body.model_path)
             await self._finish(rid, True, await sample(self.samplers, weights, body, rid), PROTO)

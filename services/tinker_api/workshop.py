@@ -132,10 +132,15 @@ class Workshop:
         state = torch.load(self.resolve(path, "weights") / STATE_FILE, map_location="cpu", weights_only=False)
         self.client(model_id).load(state, optimizer)
 
-    def drop(self, model_id: str) -> None:
+    def drop(self, model_id: str) -> list[str]:
+        """The model leaves memory and its ephemeral sampler snapshots leave the disk; returns their dirs."""
         client = self.clients.pop(model_id, None)
         if client is not None:
             client.close()
+        gone = sorted((self.runs / model_id / "sampler_weights").glob("ephemeral-*"))
+        for d in gone:
+            shutil.rmtree(d, ignore_errors=True)
+        return [str(d) for d in gone]
 
 
 def _adapter_name(model_id: str) -> str:
