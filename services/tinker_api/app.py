@@ -10,6 +10,7 @@ them in ``X-API-Key`` (the SDK sends its ``TINKER_API_KEY`` there).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -112,7 +113,10 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict[str, str]:
-        events = json.loads(await request.body() or b"{}").get("events", [])
+        try:
+            events = json.loads(await request.body() or b"{}").get("events", [])
+        except (ValueError, AttributeError):
+            events = []
         await svc().store.count("events", len(events) if isinstance(events, list) else 0)
         return {"status": "accepted"}
 
@@ -131,7 +135,7 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
             return user_error(f"session_id: unknown session {req.session_id!r}", 404)
         if await svc().store.field("session", req.session_id, "finished") is not None:
             return user_error(f"session {req.session_id} has finished", 410)
-        await svc().store.touch("session", req.session_id, "heartbeat", str(uuid.uuid1().time))
+        await svc().store.touch("session", req.session_id, "heartbeat", str(time.time()))
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")

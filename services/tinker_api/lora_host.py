@@ -156,12 +156,11 @@ class LoraClient:
             mask[i, :len(d.tokens)] = 1
         dev = self.host.device
         logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
-        logp_all = torch.log_softmax(logits.float(), dim=-1)
         out = []
-        for i, d in enumerate(data):
+        for i, d in enumerate(data):  # log p = logit - logsumexp, per datum: no [B, T, V] log-softmax copy
             targets = d.inputs["target_tokens"].long()
-            rows = logp_all[i, :len(d.tokens)]
-            picked = rows.gather(-1, targets.reshape(len(d.tokens), -1))
+            rows = logits[i, :len(d.tokens)].float()
+            picked = rows.gather(-1, targets.reshape(len(d.tokens), -1)) - torch.logsumexp(rows, -1, keepdim=True)
             out.append(picked.reshape(targets.shape))
         return out
 
