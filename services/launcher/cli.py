@@ -1,4 +1,4 @@
-"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``."""
+"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``, ``serve``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("envs", help="list the registered environments with their roles")
     sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
                    add_help=False)
+    sub.add_parser("serve", help="serve the Tinker training API (tandem serve [CONFIG] [--port N])", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # becomes the service's own process (services do not import each other)
+        import os
+
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.execv(sys.executable, [sys.executable, "-m", "services.tinker_api", *argv[1:]])
     if argv[:1] == ["eval"]:  # its own options: services/play/offline_eval.py, run in-process
         import os
 

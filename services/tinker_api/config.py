@@ -1,0 +1,67 @@
+"""``tandem serve``'s configuration: a YAML file with a ``tinker_api:`` section, or none (the defaults).
+
+Unknown keys fail at start, naming the field. With no ``redis_url`` the service starts its
+own embedded Redis, which persists under ``data_dir/redis`` so futures survive a restart.
+API keys may also come from ``TANDEM_TINKER_API_KEYS`` (comma-separated), and the Redis URL
+from ``TANDEM_REDIS_URL`` when the file names none (as in the compose and Kubernetes files).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8910, ge=0, le=65535)
+    redis_url: str | None = Field(None, description="an external Redis; None = an embedded one")
+    data_dir: Path = Field(Path("runs/tinker"), description="checkpoints, sampler snapshots, embedded Redis")
+    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values; empty = open")
+    base_models: list[str] = Field(default_factory=list, description="listed in capabilities (any local "
+                                                                      "model directory is served)")
+    sampler_cache: int = Field(4, ge=1, description="engines (weights snapshots) kept loaded, LRU")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the trainer's device; auto = cuda if present")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigFileError("tinker_api.device: cuda was asked for, but torch sees no GPU")
+        return self.device
+
+
+class ConfigFileError(ValueError):
+    pass
+
+
+def load_serve_config(path: str | None) -> ServeConfig:
+    raw: dict = {}
+    if path:
+        try:
+            doc = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigFileError(f"{path}: {exc}") from None
+        raw = doc.get("tinker_api", doc) if isinstance(doc, dict) else {}
+        if not isinstance(raw, dict):
+            raise ConfigFileError(f"{path}: tinker_api must be a mapping")
+    try:
+        cfg = ServeConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigFileError(f"{path}: tinker_api.{where}: {first['msg']}") from None
+    env_keys = [k.strip() for k in os.environ.get("TANDEM_TINKER_API_KEYS", "").split(",") if k.strip()]
+    if env_keys:
+        cfg.api_keys = [*cfg.api_keys, *env_keys]
+    if cfg.redis_url is None and os.environ.get("TANDEM_REDIS_URL"):
+        cfg.redis_url = os.environ["TANDEM_REDIS_URL"]
+    return cfg

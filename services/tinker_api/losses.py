@@ -1,0 +1,98 @@
+"""Tinker's built-in losses (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``) on one datum.
+
+Every loss is a SUM over the datum's tokens (Tinker's definition; the batch loss sums the
+datums), and each datum's ``loss_fn_inputs`` align with its ``model_input``: position i
+predicts ``target_tokens[i]``. PPO and CISPO reuse the algorithm registry's loss code
+(``services.training.algorithms``): every token is laid out as a row of one, so the
+registry's per-row advantage is Tinker's per-token advantage, and the clip thresholds
+(absolute in Tinker: 0.8 / 1.2) become the registry's epsilons (0.2 / 0.2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.contracts.config import AlgorithmConfig
+from services.training.algorithms.base import LossInputs
+from services.training.algorithms.policy_gradient import CISPO, ppo_token_losses
+
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+}
+CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+
+class UserError(ValueError):
+    """A request the service cannot serve as given; answered with category ``user``."""
+
+
+def check_loss(loss_fn: str, config: dict[str, float | str]) -> dict[str, float]:
+    """The loss's numeric config with defaults; a UserError naming the field otherwise."""
+    if loss_fn not in LOSS_INPUTS:
+        raise UserError(f"loss_fn: {loss_fn!r} is not supported here; use one of {', '.join(LOSS_INPUTS)}")
+    allowed = set(CLIP_DEFAULTS) if loss_fn in ("ppo", "cispo") else set()
+    unknown = sorted(set(config) - allowed)
+    if unknown:
+        raise UserError(f"loss_fn_config: {unknown} are not options of {loss_fn}"
+                        + (f" (it takes {sorted(allowed)})" if allowed else " (it takes none)"))
+    out: dict[str, float] = {}
+    for key in allowed:
+        value = config.get(key, CLIP_DEFAULTS[key])
+        if not isinstance(value, int | float) or not math.isfinite(float(value)):
+            raise UserError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
+        out[key] = float(value)
+    if allowed and not 0.0 <= out["clip_low_threshold"] < 1.0:
+        raise UserError("loss_fn_config.clip_low_threshold: must be in [0, 1)")
+    if allowed and not out["clip_high_threshold"] > 1.0:
+        raise UserError("loss_fn_config.clip_high_threshold: must be > 1")
+    return out
+
+
+def check_inputs(loss_fn: str, n_tokens: int, inputs: dict[str, torch.Tensor], index: int) -> None:
+    """Every input the loss needs is there, aligned with the datum's ``n_tokens`` positions."""
+    need = LOSS_INPUTS[loss_fn]
+    missing = [k for k in need if k not in inputs]
+    if missing:
+        raise UserError(f"data[{index}].loss_fn_inputs: {loss_fn} needs {missing}")
+    targets = inputs["target_tokens"]
+    if targets.dim() not in (1, 2) or targets.shape[0] != n_tokens:
+        raise UserError(f"data[{index}].loss_fn_inputs.target_tokens: shape {list(targets.shape)} does not "
+                        f"align with model_input's {n_tokens} tokens")
+    if loss_fn != "cross_entropy" and targets.dim() != 1:
+        raise UserError(f"data[{index}].loss_fn_inputs.target_tokens: {loss_fn} takes one target per position")
+    for key in need[1:]:
+        if tuple(inputs[key].shape) != tuple(targets.shape):
+            raise UserError(f"data[{index}].loss_fn_inputs.{key}: shape {list(inputs[key].shape)} differs from "
+                            f"target_tokens' {list(targets.shape)}")
+        if not bool(torch.isfinite(inputs[key]).all()):
+            raise UserError(f"data[{index}].loss_fn_inputs.{key}: holds NaN or inf")
+
+
+def _as_token_rows(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> LossInputs:
+    n = logp.numel()
+    ones = torch.ones((n, 1), dtype=logp.dtype, device=logp.device)
+    return LossInputs(logp=logp.reshape(n, 1), old_logp=old.reshape(n, 1).detach(), mask=ones,
+                      advantages=adv.reshape(n).to(logp.dtype), tis_weight=ones)
+
+
+def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], cfg: dict[str, float]
+               ) -> torch.Tensor:
+    """The datum's loss (a sum over its tokens); ``logp`` are the target tokens' logprobs, with grad."""
+    if loss_fn == "cross_entropy":
+        return -(logp * inputs["weights"]).sum()
+    old, adv = inputs["logprobs"], inputs["advantages"]
+    if loss_fn == "importance_sampling":
+        return -(torch.exp(logp - old.detach()) * adv).sum()
+    low, high = 1.0 - cfg["clip_low_threshold"], cfg["clip_high_threshold"] - 1.0
+    x = _as_token_rows(logp, old, adv)
+    if loss_fn == "ppo":
+        per_token, _ = ppo_token_losses(x, low, high)
+        return per_token.sum()
+    algo = CISPO(AlgorithmConfig(name="cispo", clip_eps_low=max(low, 1e-12), clip_eps_high=high))
+    token_mean, _ = algo.policy_loss(x)  # the registry's token mean over n tokens, back to Tinker's sum
+    return token_mean * logp.numel()
