@@ -216,7 +216,7 @@ async def test_consumers_and_producers_carry_on_across_a_redis_restart(tmp_path)
     later = asyncio.create_task(publish_n(bus, stream, 20))  # published while Redis is down: waits, then lands
     await asyncio.sleep(1.0)
     assert not loop.done() and not later.done()
-    server = EmbeddedRedis(port=port, data_dir=data, appendonly=True).start()
+    server.restart()  # the same port, password and AOF
     try:
         await asyncio.wait_for(later, 30)
         await until(lambda: len(set(seen)) >= 40)
