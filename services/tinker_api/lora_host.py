@@ -83,6 +83,9 @@ class BaseHost:
     def drop_adapter(self, name: str) -> None:
         if self.peft is not None and name in self.peft.peft_config:
             self.peft.delete_adapter(name)
+            left = list(self.peft.peft_config)
+            if left:  # never leave a deleted adapter active: peft would look its config up
+                self.peft.set_adapter(left[0])
 
     def activate(self, name: str) -> PeftModel:
         assert self.peft is not None
@@ -96,7 +99,9 @@ class BaseHost:
 
     def merged_state(self, name: str | None) -> dict[str, torch.Tensor]:
         """Plain HF weights with adapter ``name`` folded in (None: the base); a fresh copy, base untouched."""
-        base = self.model if self.peft is None else self.peft.get_base_model()
+        base = self.model  # the transformers module itself (peft injected its LoRA layers in place)
+        if name is not None:
+            self.activate(name)
         state = {k.replace(".base_layer.", "."): v.detach().to("cpu", copy=True) for k, v in base.state_dict().items()
                  if "lora_" not in k}
         if name is not None and self.peft is not None:
