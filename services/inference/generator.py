@@ -13,7 +13,9 @@ Admission in short windows: requests reach the engine one by one (one HTTP reque
 prefill per arrival would split the batch into many small groups, each decoding out of step with the
 others. Queued requests are admitted once no new one has arrived for ``admit_quiet_s``, the oldest
 has waited ``admit_window_s``, or they fill the batch's free room; meanwhile the running rows go on
-decoding. ``generate_many`` queues many requests at once (SGLang's batch ``/generate``).
+decoding. Both default to 0 (admit at the next step: in-process callers that generate one request
+at a time wait for nothing); the HTTP server uses 2 ms and 20 ms. ``generate_many`` queues many
+requests at once (SGLang's batch ``/generate``).
 
 A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``), as
 the trainer's full-sequence forward computes it; top-p / top-k only restrict what may be drawn.
@@ -57,7 +59,7 @@ class Engine:
     """The model plus its worker thread. Thread-safe; async entry points."""
 
     def __init__(self, model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
-                 admit_quiet_s: float = 0.002, admit_window_s: float = 0.02) -> None:
+                 admit_quiet_s: float = 0.0, admit_window_s: float = 0.0) -> None:
         torch.set_num_threads(1)
         self.model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

@@ -114,7 +114,8 @@ class Client:
         self.use_httpx = use_httpx
         # idle connections closed before the engine's keep-alive (uvicorn's default: 5 s) closes them
         self.aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
-        limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH)
+        limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH,
+                              keepalive_expiry=4)
         self.httpx = httpx.AsyncClient(timeout=600, limits=limits)
 
     async def post(self, url: str, body: dict[str, Any]) -> Any:

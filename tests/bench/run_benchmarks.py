@@ -2,13 +2,16 @@
 
 Each benchmark module exposes ``run() -> dict[str, float]``; its figures are
 stored under the module's short name (``codec.*``, ``engine.*``, ...).
-Figures are ratios measured side by side in one run where it matters.
+Figures are ratios measured side by side in one run where it matters; ``machine.load_average`` (the
+1-minute load when the run started) says how busy the shared box was. The engine's headline is
+``engine.ratio_vs_batched_generate`` (per concurrency; see ``bench_engine``).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -23,7 +26,8 @@ BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_e
 
 def main() -> None:
     results: dict[str, object] = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                                              "processor": platform.processor() or platform.machine()}}
+                                              "processor": platform.processor() or platform.machine(),
+                                              "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}}
     for name, module in BENCHMARKS.items():
         print(f"running {name} ...", flush=True)
         results[name] = importlib.import_module(module).run()
