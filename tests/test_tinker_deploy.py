@@ -27,11 +27,13 @@ def serve_flags() -> set[str]:
 def test_compose_profile_runs_tandem_serve():
     res = run_compose("--profile", "tinker", "config", "-q")
     assert res.returncode == 0 and not res.stderr.strip(), res.stderr
-    assert "REDIS_PASSWORD is missing" in run_compose("--profile", "tinker", "config", "-q", password=None).stderr
     containers, doc = compose_containers("tinker")
     api = next(c for c in containers if c.argv[:2] == ["tandem", "serve"])
     assert {a for a in api.argv[2:] if a.startswith("--")} <= serve_flags()
-    assert api.env["TANDEM_REDIS_URL"].startswith("redis://:") and api.env["TANDEM_HEALTH_PORT"] == api.flag("--port")
+    assert api.env["TANDEM_REDIS_URL"].startswith("redis://") and api.env["TANDEM_HEALTH_PORT"] == api.flag("--port")
+    secret = api.env["TANDEM_REDIS_PASSWORD_FILE"]  # Redis always needs its password: read from the mounted secret
+    assert any(v.get("source") == "redis-secret" and secret.startswith(v["target"])
+               for v in doc["services"]["tinker-api"]["volumes"])
     assert set(api.ports.values()) == {int(api.flag("--port"))}
     data_dir = api.flag("--data-dir")
     mounts = {v["target"]: not v.get("read_only", False) for v in doc["services"]["tinker-api"]["volumes"]}

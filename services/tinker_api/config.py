@@ -15,6 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.contracts.config import ConfigError, with_password
+
 
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -64,4 +66,9 @@ def load_serve_config(path: str | None) -> ServeConfig:
         cfg.api_keys = [*cfg.api_keys, *env_keys]
     if cfg.redis_url is None and os.environ.get("TANDEM_REDIS_URL"):
         cfg.redis_url = os.environ["TANDEM_REDIS_URL"]
+    if cfg.redis_url and os.environ.get("TANDEM_REDIS_PASSWORD_FILE"):  # a mounted secret (compose, Kubernetes)
+        try:
+            cfg.redis_url = with_password(cfg.redis_url, os.environ["TANDEM_REDIS_PASSWORD_FILE"])
+        except ConfigError as exc:
+            raise ConfigFileError(str(exc)) from None
     return cfg
