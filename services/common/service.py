@@ -58,6 +58,7 @@ def parse_args(service: str, per_agent: bool, extra: Callable[[argparse.Argument
 
 
 T = TypeVar("T")
+STOP_GRACE_S = 1.0  # at stop, how long loops get to end by themselves before they are cancelled
 _health_port = 0  # set by parse_args: the services' main() passes it on to run_service implicitly
 
 
@@ -165,8 +166,10 @@ async def _run_loops(log: logging.Logger, bus: Bus, stop: asyncio.Event, tasks: 
             await bus.close()
             raise t.exception()  # type: ignore[misc]
     stop.set()
-    await asyncio.sleep(0)
-    for t in tasks:
+    # loops that watch ``stop`` (the bus's consume loops: they acknowledge what they handled) end on their own;
+    # the rest is cancelled after a grace period
+    _, pending = await asyncio.wait(tasks, timeout=STOP_GRACE_S) if tasks else (set(), set())
+    for t in pending:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await bus.close()
