@@ -185,7 +185,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
                       f" (continue with `tandem up {config_path} --resume`)")
         code = 130
     except RuntimeError as exc:  # ServiceFailed included
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
         code = 1
     finally:
         group.stop_all()
@@ -227,7 +227,7 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
               transient=False) if console.is_terminal else _NoLive() as live:
         while True:
             for note in group.supervise():
-                console.print(f"[yellow]{note}[/yellow]")
+                console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
             if group.exited("coordinator") == 0:
                 return 0
             try:
