@@ -13,6 +13,7 @@ from services.contracts.messages import Control, Event, GenerateReply
 from services.coordinator.api import create_app
 from services.coordinator.report import write_report
 from services.coordinator.scheduler import Coordinator
+from services.coordinator.tracking import RunLogger
 
 
 async def main_async(config: str, port: int | None) -> int:
@@ -30,6 +31,7 @@ async def main_async(config: str, port: int | None) -> int:
     server = uvicorn.Server(uvicorn.Config(create_app(coord), host=cfg.api.host, port=port or cfg.api.port,
                                            log_level="warning", lifespan="off"))
     started = time.time()
+    run_logger = RunLogger(cfg)  # TensorBoard / W&B (services/coordinator/tracking.py)
 
     async def on_control(cmd: Control) -> None:  # commands published on the control stream
         if cmd.command in ("pause", "resume", "stop"):  # its own final stop comes after the run: a no-op
@@ -48,6 +50,7 @@ async def main_async(config: str, port: int | None) -> int:
 
     async def run_and_report() -> None:
         await coord.run()
+        await run_logger.close(coord)
         path = await asyncio.to_thread(write_report, coord.state, coord.evals, cfg.run_dir(), time.time() - started)
         log.info("report written to %s", path)
         await bus.publish(s.control, Control(command="stop", args={"reason": coord.state.phase}))
@@ -60,6 +63,7 @@ async def main_async(config: str, port: int | None) -> int:
         watch_control(bus, "control-coordinator", stop, on_control, stop_on_stop=False),
         server.serve(),
         housekeeping(),
+        run_logger.follow(coord, stop),
     ]
     runner = asyncio.ensure_future(run_and_report())
     await run_service("coordinator", bus, stop, *loops, runner)

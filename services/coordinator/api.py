@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from services.contracts.messages import Control
+from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.scheduler import Coordinator
 
 
@@ -114,4 +115,5 @@ def create_app(coord: Coordinator) -> FastAPI:
                 lines.append(f'tandem_group_reward{{agent="{n}"}} {a.group_rewards[-1][1]}')
         return "\n".join(lines) + "\n"
 
+    mount_dashboard(app, coord)  # the web dashboard at / (services/coordinator/dashboard)
     return app

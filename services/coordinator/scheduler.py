@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
+from services.coordinator.dashboard.transcripts import save_tokens
 from services.coordinator.episode import EpisodeResult, play_episode
 from services.coordinator.evaluation import eval_roles, evaluate_player
 from services.coordinator.local_policy import POLICY, LocalPolicies, context_length
@@ -132,6 +133,7 @@ class Coordinator:
         if len(self.episodes) > EPISODE_CACHE:
             self.episodes.pop(next(iter(self.episodes)))
         await self.bus.redis.hset(self.bus.streams.episodes(), result.episode_id, json.dumps(rec))
+        await save_tokens(self.bus, result)  # each reply's tokens and logprobs, for the dashboard
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
 

@@ -7,7 +7,8 @@ per-role rewards. ``make_group`` builds the G copies that share a GRPO
 baseline (same seed, so the same start). ``scripted_reply`` plays a role
 without a model (evaluation opponents, tests, ``scripted:<player>`` roles).
 Per-turn rewards (``StepResult.turn_rewards``) are optional; the coordinator
-adds them to the final rewards.
+adds them to the final rewards. ``render`` (optional) draws a state for the
+dashboard's transcript browser: HTML or text, as ``render_format`` says.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Environment(ABC):
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
     # scripted player -> the roles it can play (a player not listed can play every role)
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {}
+    render_format: ClassVar[str] = "text"  # what ``render`` returns: "text" or "html" (a fragment)
 
     def __init__(self, params: dict[str, Any], seed: int) -> None:
         self.params = self.check_params(params)
@@ -72,6 +74,12 @@ class Environment(ABC):
     def summary(self) -> dict[str, Any]:
         """A small JSON-able description of the episode's state/outcome."""
         return {}
+
+    @classmethod
+    def render(cls, state: dict[str, Any]) -> str | None:
+        """Draw an episode state (a ``summary()`` dict) for people: ``render_format`` text or an HTML
+        fragment, or None when the environment has no drawing (the default)."""
+        return None
 
     @classmethod
     def make_group(cls, params: dict[str, Any], seed: int, size: int) -> list[Environment]:

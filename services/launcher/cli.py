@@ -1,4 +1,4 @@
-"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``."""
+"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``, ``runs``, ``compare``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("envs", help="list the registered environments with their roles")
     sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
                    add_help=False)
+    add_run_commands(sub)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # the coordinator's evaluation runs it (services do not import each other)
         import os
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(describe_environments())
         return
+
+    if args.command in ("runs", "compare"):
+        raise SystemExit(run_command(args))
 
     if args.command == "init-demo":
         from pathlib import Path
@@ -59,6 +63,41 @@ def main(argv: list[str] | None = None) -> None:
     from services.launcher.up import up
 
     raise SystemExit(up(cfg, args.config))
+
+
+def add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """``tandem runs`` and ``tandem compare`` (services/launcher/runs.py)."""
+    p_runs = sub.add_parser("runs", help="list the runs under run.output_dir with status and key figures")
+    p_runs.add_argument("--dir", default="runs", help="the runs' directory (run.output_dir; default runs)")
+    p_cmp = sub.add_parser("compare", help="compare runs' eval and reward curves: one PNG and one table")
+    p_cmp.add_argument("run", nargs="+", help="run names under --dir, or run directories")
+    p_cmp.add_argument("--dir", default="runs", help="the runs' directory (run.output_dir; default runs)")
+    p_cmp.add_argument("--out", default=None, help="where compare.png and compare.md go (default DIR/compare)")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from services.launcher.runs import compare, list_runs, runs_table
+
+    console = Console()
+    if args.command == "runs":
+        runs = list_runs(Path(args.dir))
+        if not runs:
+            console.print(f"no runs under {args.dir}")
+            return 0
+        console.print(runs_table(runs))
+        return 0
+    try:
+        png, table = compare(args.run, Path(args.dir), Path(args.out or Path(args.dir) / "compare"))
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    console.print(f"plot: {png}\ntable: {table}")
+    console.print(table.read_text(), markup=False, highlight=False)
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,19 +26,25 @@ from rich.table import Table
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.config import AgentConfig, TandemConfig
 from services.launcher.processes import ProcessGroup, child_env, python_module
+from services.launcher.progress import Progress, fmt_duration
 
 
-def status_table(status: dict | None) -> Table:
+def status_table(status: dict | None, progress: Progress | None = None) -> Table:
+    progress = progress or Progress()
+    eta = fmt_duration(progress.run_eta_s(status)) if status else "-"
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
-                        f"{status.get('phase') if status else 'starting'}")
-    for col in ("agent", "step", "weight version", "mean reward", "eval start", "eval end", "episodes/s"):
+                        f"{status.get('phase') if status else 'starting'} — ETA {eta}")
+    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "eval start", "eval end",
+                "episodes/s"):
         table.add_column(col)
     if status:
         for name, a in status["agents"].items():
             fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-            table.add_row(name, f"{a['step']}/{status['total_steps']}", str(a["weight_version"]),
-                          fmt(a["recent_group_reward"]), fmt(a["eval_start"]), fmt(a["eval_end"]),
-                          f"{status['episodes_per_s']:.2f}")
+            rate = progress.steps_per_min(name)
+            table.add_row(name, f"{a['step']}/{status['total_steps']}", "-" if rate is None else f"{rate:.2f}",
+                          fmt_duration(progress.eta_s(name, a["step"], status["total_steps"])),
+                          str(a["weight_version"]), fmt(a["recent_group_reward"]), fmt(a["eval_start"]),
+                          fmt(a["eval_end"]), f"{status['episodes_per_s']:.2f}")
     return table
 
 
@@ -148,6 +154,7 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
     """Refresh progress until the coordinator exits; fail if any other child dies first."""
     waiter = threading.Event()
     status = None
+    progress = Progress()
     last_print = 0.0
     with Live(status_table(None), console=console, auto_refresh=False,
               transient=False) if console.is_terminal else _NoLive() as live:
@@ -160,12 +167,13 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
                 return 0
             try:
                 status = httpx.get(f"{api}/v1/status", timeout=2.0).json()
+                progress.update(status)
             except (httpx.HTTPError, ValueError):
                 pass
             if console.is_terminal:
-                live.update(status_table(status), refresh=True)
+                live.update(status_table(status, progress), refresh=True)
             elif status and time.time() - last_print > 15:
-                console.print(status_table(status))
+                console.print(status_table(status, progress))
                 last_print = time.time()
             waiter.wait(1.0)
 
