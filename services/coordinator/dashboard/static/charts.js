@@ -25,7 +25,7 @@ const Charts = {
     box.appendChild(h);
     document.getElementById("charts").appendChild(box);
     const series = [{label: xLabel}].concat(this.agents.map(a => ({
-      label: a, stroke: this.color(a), width: 2, spanGaps: true, points: {show: true, size: 4},
+      label: a, stroke: this.color(a), width: 1.5, spanGaps: true, points: {show: true, size: 4},
     })));
     const opts = {width: 380, height: 200, series, legend: {show: false},
       scales: {x: {time: false}}, axes: [{label: xLabel, size: 40}, {size: 50}]};
