@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from services.common.bus import Bus
 from services.contracts.config import ConfigError, parse_config
@@ -176,6 +177,11 @@ def test_runs_and_compare_over_two_reports(tmp_path: Path) -> None:
     missing = subprocess.run([*cli, "compare", "first", "nope", "--dir", str(tmp_path / "runs")], cwd=REPO,
                              capture_output=True, text=True, env=env)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(_cfg(tmp_path)))  # its run.output_dir is tmp_path/runs
+    by_config = subprocess.run([*cli, "runs", "--config", str(cfg_path)], cwd=REPO, capture_output=True, text=True,
+                               env=env)
+    assert by_config.returncode == 0 and "second" in by_config.stdout
 
 
 def test_steps_per_minute_and_eta() -> None:

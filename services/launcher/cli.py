@@ -7,6 +7,7 @@ import sys
 
 from services.contracts.config import ConfigError, load_config
 from services.launcher.preflight import preflight
+from services.launcher.runs import add_run_commands, run_command
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,41 +64,6 @@ def main(argv: list[str] | None = None) -> None:
     from services.launcher.up import up
 
     raise SystemExit(up(cfg, args.config))
-
-
-def add_run_commands(sub: argparse._SubParsersAction) -> None:
-    """``tandem runs`` and ``tandem compare`` (services/launcher/runs.py)."""
-    p_runs = sub.add_parser("runs", help="list the runs under run.output_dir with status and key figures")
-    p_runs.add_argument("--dir", default="runs", help="the runs' directory (run.output_dir; default runs)")
-    p_cmp = sub.add_parser("compare", help="compare runs' eval and reward curves: one PNG and one table")
-    p_cmp.add_argument("run", nargs="+", help="run names under --dir, or run directories")
-    p_cmp.add_argument("--dir", default="runs", help="the runs' directory (run.output_dir; default runs)")
-    p_cmp.add_argument("--out", default=None, help="where compare.png and compare.md go (default DIR/compare)")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from services.launcher.runs import compare, list_runs, runs_table
-
-    console = Console()
-    if args.command == "runs":
-        runs = list_runs(Path(args.dir))
-        if not runs:
-            console.print(f"no runs under {args.dir}")
-            return 0
-        console.print(runs_table(runs))
-        return 0
-    try:
-        png, table = compare(args.run, Path(args.dir), Path(args.out or Path(args.dir) / "compare"))
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    console.print(f"plot: {png}\ntable: {table}")
-    console.print(table.read_text(), markup=False, highlight=False)
-    return 0
 
 
 if __name__ == "__main__":

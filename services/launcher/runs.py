@@ -10,7 +10,9 @@ weight version, per run and agent) and one Markdown table of the key figures.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,3 +167,37 @@ def runs_table(runs: list[RunInfo]) -> Any:
         for r in run.figures():
             table.add_row(*(_fmt(r.get(c)) for c in COLUMNS))
     return table
+
+
+def add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """``tandem runs`` and ``tandem compare`` on the CLI's subparsers."""
+    where = "the runs' directory (default: run.output_dir of --config, else runs)"
+    p_runs = sub.add_parser("runs", help="list the runs under run.output_dir with status and key figures")
+    p_cmp = sub.add_parser("compare", help="compare runs' eval and reward curves: one PNG and one table")
+    p_cmp.add_argument("run", nargs="+", help="run names under the runs' directory, or run directories")
+    p_cmp.add_argument("--out", default=None, help="where compare.png and compare.md go (default DIR/compare)")
+    for p in (p_runs, p_cmp):
+        p.add_argument("--dir", default=None, help=where)
+        p.add_argument("--config", default=None, help="a run config: its run.output_dir is the runs' directory")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``tandem runs`` / ``tandem compare``; 2 with a message for a bad config or a missing run."""
+    from rich.console import Console
+
+    from services.contracts.config import ConfigError, load_config
+
+    console = Console()
+    try:
+        output_dir = Path(args.dir or (load_config(args.config).run.output_dir if args.config else "runs"))
+        if args.command == "runs":
+            runs = list_runs(output_dir)
+            console.print(runs_table(runs) if runs else f"no runs under {output_dir}")
+            return 0
+        png, table = compare(args.run, output_dir, Path(args.out) if args.out else output_dir / "compare")
+    except (ConfigError, ValueError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    console.print(f"plot: {png}\ntable: {table}")
+    console.print(table.read_text(), markup=False, highlight=False)
+    return 0
