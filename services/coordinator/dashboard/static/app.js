@@ -13,6 +13,7 @@ async function getJSON(url) {
 }
 
 async function control(cmd) {
+  if (cmd === "stop" && !window.confirm("Stop the run? (the report is written, then every service stops)")) return;
   const headers = token() ? {Authorization: "Bearer " + token()} : {};
   const msg = document.getElementById("control-msg");
   msg.className = "";
