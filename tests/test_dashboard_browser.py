@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from selenium.common.exceptions import WebDriverException
 
 from services.common.embedded_redis import free_port
 
@@ -37,7 +38,7 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = 
             raise AssertionError(f"launcher exited ({proc.returncode}) while waiting for {what}")
         try:
             value = predicate()
-        except (httpx.HTTPError, KeyError, ValueError):
+        except (httpx.HTTPError, KeyError, ValueError, WebDriverException):  # e.g. a chart not drawn yet
             value = None
         if value:
             return value

@@ -32,6 +32,7 @@ async def main_async(config: str, port: int | None) -> int:
                                            log_level="warning", lifespan="off"))
     started = time.time()
     run_logger = RunLogger(cfg)  # TensorBoard / W&B (services/coordinator/tracking.py)
+    await asyncio.to_thread(run_logger.open)  # their heavy imports and W&B's start, before any loop reads
 
     async def on_control(cmd: Control) -> None:  # commands published on the control stream
         if cmd.command in ("pause", "resume", "stop"):  # its own final stop comes after the run: a no-op
