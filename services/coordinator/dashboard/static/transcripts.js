@@ -17,7 +17,8 @@ function fmt(v, digits = 3) {
 }
 
 function rewardsText(rewards) {
-  return Object.entries(rewards || {}).map(([r, v]) => `${r} ${fmt(v, 2)}`).join(", ");
+  return Object.entries(rewards || {}).map(([r, v]) => `${r} ${typeof v === "number" ? v.toFixed(2) : fmt(v)}`)
+    .join(", ");
 }
 
 function outcome(summary) {
