@@ -11,7 +11,12 @@ UP_FLAGS ?=
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
 
-.PHONY: install run test test-fast bench lint clean
+# the dashboard's chart library, vendored from npm into the package (make dashboard-assets; committed)
+UPLOT_VERSION ?= 1.6.32
+DASH_VENDOR := services/coordinator/dashboard/static/vendor
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install run test test-fast bench lint clean browser dashboard-assets
 
 install: $(VENV)/.installed
 
@@ -27,7 +32,22 @@ run: install
 	$(VENV)/bin/tandem init-demo models/demo-ttt
 	$(VENV)/bin/tandem up $(CONFIG) $(UP_FLAGS)
 
-test: install
+# Debian's chromium and its driver for the dashboard's browser test; installed only when missing.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver: present"; \
+	else \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
+			chromium chromium-driver fonts-dejavu-core; \
+	fi
+
+dashboard-assets:
+	tmp=$$(mktemp -d) && cd $$tmp && npm pack -q uplot@$(UPLOT_VERSION) && tar xzf uplot-$(UPLOT_VERSION).tgz && \
+	cd - >/dev/null && cp $$tmp/package/dist/uPlot.iife.min.js $$tmp/package/dist/uPlot.min.css $(DASH_VENDOR)/ && \
+	cp $$tmp/package/LICENSE $(DASH_VENDOR)/uPlot.LICENSE && rm -rf $$tmp
+
+test: install browser
 	$(VENV)/bin/ruff check services tests
 	$(PY) -m pytest -q
 

@@ -238,10 +238,29 @@ class ApiConfig(Strict):
     token: str = ""
 
 
+class WandbConfig(Strict):
+    """Weights & Biases: ``offline`` writes a run directory under runs/<run>/wandb (no network; sync it
+    later with ``wandb sync``); ``online`` needs network and a login."""
+
+    project: str = Field(min_length=1)
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    entity: str | None = None
+
+
+class LoggingConfig(Strict):
+    """Experiment logging the coordinator writes from what it already receives."""
+
+    tensorboard: bool = Field(True, description="TensorBoard event files under runs/<run>/tensorboard")
+    wandb: WandbConfig | None = None
+    interval_s: float = Field(5.0, gt=0, description="how often new metrics are written")
+    text_every: int = Field(25, ge=0, description="every Nth episode's transcript is logged as text (0: none)")
+
+
 class TandemConfig(Strict):
     run: RunConfig
     redis_url: str = ""
     api: ApiConfig = Field(default_factory=ApiConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     environment: EnvironmentConfig
     agents: dict[str, AgentConfig] = Field(min_length=1)
 

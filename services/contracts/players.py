@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_serializer
 
 
 class _Player(BaseModel):
@@ -70,6 +70,7 @@ class Local(_Player):
 
 
 Player = Annotated[AgentPlayer | Scripted | Pool | Local, Field(discriminator="kind")]
+PLAYER: TypeAdapter[AgentPlayer | Scripted | Pool | Local] = TypeAdapter(Player)  # a dumped player, read back
 PLAYER_FORMS = "an agent name, 'scripted:<player>' or 'pool:<agent>'"
 
 

@@ -14,6 +14,7 @@ from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
 from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
+from services.coordinator.tracking import RunLogger
 
 
 async def main_async(config: str, port: int | None) -> int:
@@ -30,13 +31,22 @@ async def main_async(config: str, port: int | None) -> int:
     stop, s = asyncio.Event(), bus.streams
     server = uvicorn.Server(uvicorn.Config(create_app(coord), host=cfg.api.host, port=port or cfg.api.port,
                                            log_level="warning", lifespan="off"))
-    runner = asyncio.ensure_future(coord.run_and_report(server))
+    run_logger = RunLogger(cfg)  # TensorBoard / W&B (services/coordinator/tracking.py)
+    await asyncio.to_thread(run_logger.open)  # their heavy imports and W&B's start, before any loop reads
+
+    async def run_and_log() -> None:
+        try:
+            await coord.run_and_report(server)
+        finally:
+            await run_logger.close(coord)
+
+    runner = asyncio.ensure_future(run_and_log())
     await run_service("coordinator", bus, stop,
                       bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.on_reply,
                                   stop, concurrency=1, count=64),
                       bus.consume(s.events, "coordinator", coord.name, coord.on_event, stop),
                       watch_control(bus, "control-coordinator", stop, coord.on_control, stop_on_stop=False),
-                      server.serve(), coord.housekeeping(stop), runner)
+                      server.serve(), coord.housekeeping(stop), run_logger.follow(coord, stop), runner)
     ok = runner.done() and not runner.cancelled() and runner.exception() is None and coord.state.error is None
     return 0 if ok else 1
 

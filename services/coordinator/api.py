@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.common.metrics import SERVICE_STARTS, RunMetrics
 from services.contracts.messages import Control
+from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.scheduler import Coordinator
 
 
@@ -115,4 +116,5 @@ def create_app(coord: Coordinator) -> FastAPI:
         payload, content_type = run_metrics.exposition(request.headers.get("accept"))
         return Response(payload, media_type=content_type)
 
+    mount_dashboard(app, coord)  # the web dashboard at / (services/coordinator/dashboard)
     return app

@@ -28,6 +28,7 @@ from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
+from services.coordinator.dashboard.transcripts import save_tokens
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.report import write_report
@@ -159,6 +160,7 @@ class Coordinator:
             self.episodes.pop(next(iter(self.episodes)))
         await self.bus.redis.hset(self.bus.streams.episodes(), result.episode_id, json.dumps(rec))
         await self.run_record.count_episode()
+        await save_tokens(self.bus, result)  # each reply's tokens and logprobs, for the dashboard
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
 
@@ -181,6 +183,12 @@ class Coordinator:
                 return None
         await self.record(result)
         return result
+
+    def tokenizer_for(self, player: Player) -> Any:
+        """The tokenizer a player's tokens are in (blocking: call it off the loop), or None (scripted)."""
+        if isinstance(player, Local):
+            return self.local.tokenizer(player.path)
+        return None if isinstance(player, Scripted) else self.tokenizers.get(player.agent)
 
     # --- training groups ----------------------------------------------------
     def roles_for_group(self, index: int) -> dict[str, Player]:

@@ -9,6 +9,8 @@ without a model (evaluation opponents, tests, ``scripted:<player>`` roles).
 Per-turn rewards (``StepResult.turn_rewards``) are optional; the coordinator
 adds them to the final rewards. The parameters (``environment.params``) are the
 class's ``Params``, a pydantic model (params.py); ``self.params`` is an instance.
+``render`` (optional) draws a state for the
+dashboard's transcript browser: HTML or text, as ``render_format`` says.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Environment(ABC):
     # the parameters (``environment.params``), a pydantic model; ``env_name`` starts its error messages
     Params: ClassVar[type[EnvParams]] = NoParams
     env_name: ClassVar[str] = ""
+    render_format: ClassVar[str] = "text"  # what ``render`` returns: "text" or "html" (a fragment)
 
     def __init__(self, params: Mapping[str, Any] | EnvParams, seed: int) -> None:
         self.params = self.check_params(params)
@@ -75,6 +78,12 @@ class Environment(ABC):
     def summary(self) -> dict[str, Any]:
         """A small JSON-able description of the episode's state/outcome."""
         return {}
+
+    @classmethod
+    def render(cls, state: dict[str, Any]) -> str | None:
+        """Draw an episode state (a ``summary()`` dict) for people: ``render_format`` text or an HTML
+        fragment, or None when the environment has no drawing (the default)."""
+        return None
 
     @classmethod
     def make_group(cls, params: Mapping[str, Any] | EnvParams, seed: int, size: int) -> list[Environment]:

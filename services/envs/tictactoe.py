@@ -37,6 +37,7 @@ Scripted players: ``random`` (a uniformly random legal move) and ``minimax``
 
 from __future__ import annotations
 
+import html
 import random
 from functools import cache
 from typing import Any, ClassVar
@@ -113,6 +114,7 @@ class TicTacToe(Environment):
     Params: ClassVar[type[EnvParams]] = TicTacToeParams
     env_name: ClassVar[str] = "tictactoe"
     params: TicTacToeParams
+    render_format: ClassVar[str] = "html"
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -177,3 +179,30 @@ class TicTacToe(Environment):
         return {"board": self.board, "winner": self.winner, "illegal": self.illegal,
                 "moves": list(self.moves), "opening_moves": self.opening_moves,
                 "illegal_reply": self.illegal_reply}
+
+    @classmethod
+    def render(cls, state: dict[str, Any]) -> str | None:
+        """The board as an HTML table; each mark carries its move number, the last move is marked."""
+        board = state.get("board")
+        if not isinstance(board, str) or len(board) != 9 or set(board) - set("xo."):
+            return None
+        moves = [m for m in state.get("moves") or [] if isinstance(m, int) and 1 <= m <= 9]
+        order = {cell: i + 1 for i, cell in enumerate(moves)}
+        rows = []
+        for r in range(3):
+            cells = []
+            for c in range(3):
+                cell = 3 * r + c + 1
+                mark = board[cell - 1]
+                last = " last" if moves and cell == moves[-1] else ""
+                num = f"<sub>{order[cell]}</sub>" if mark != "." and cell in order else ""
+                text = mark.upper() if mark != "." else f'<span class="empty">{cell}</span>'
+                cells.append(f'<td class="ttt-{mark if mark != "." else "e"}{last}">{text}{num}</td>')
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        winner = state.get("winner")
+        if state.get("illegal"):
+            caption = f"illegal reply {state.get('illegal_reply') or ''!r}"
+        else:
+            caption = {"X": "X wins", "O": "O wins", "draw": "draw", None: "in play"}.get(winner, str(winner))
+        return (f'<table class="ttt-board"><caption>{html.escape(caption)}</caption>'
+                + "".join(rows) + "</table>")

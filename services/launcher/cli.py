@@ -1,4 +1,5 @@
-"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``, ``serve``."""
+"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``, ``serve``, ``runs``,
+``compare``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 from services.contracts.config import ConfigError, load_config
 from services.launcher.preflight import preflight
+from services.launcher.runs import add_run_commands, run_command
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
                    add_help=False)
     sub.add_parser("serve", help="serve the Tinker training API (tandem serve [CONFIG] [--port N])", add_help=False)
+    add_run_commands(sub)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # becomes the service's own process (services do not import each other)
         import os
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(describe_environments())
         return
+
+    if args.command in ("runs", "compare"):
+        raise SystemExit(run_command(args))
 
     if args.command == "init-demo":
         from pathlib import Path

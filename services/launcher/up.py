@@ -31,23 +31,30 @@ from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
 from services.launcher.processes import ProcessGroup, RestartBudget, Supervised, child_env, python_module
+from services.launcher.progress import Progress, fmt_duration
 
 log = logging.getLogger("tandem.launcher")
 
 
-def status_table(status: dict | None, restarts: dict[str, int] | None = None) -> Table:
+def status_table(status: dict | None, restarts: dict[str, int] | None = None,
+                 progress: Progress | None = None) -> Table:
+    progress = progress or Progress()
+    eta = fmt_duration(progress.run_eta_s(status)) if status else "-"
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n)
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
-                        f"{status.get('phase') if status else 'starting'}",
+                        f"{status.get('phase') if status else 'starting'} — ETA {eta}",
                   caption=f"restarts: {restarted}" if restarted else None)
-    for col in ("agent", "step", "weight version", "mean reward", "eval start", "eval end", "episodes/s"):
+    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "eval start", "eval end",
+                "episodes/s"):
         table.add_column(col)
     if status:
         for name, a in status["agents"].items():
             fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-            table.add_row(name, f"{a['step']}/{status['total_steps']}", str(a["weight_version"]),
-                          fmt(a["recent_group_reward"]), fmt(a["eval_start"]), fmt(a["eval_end"]),
-                          f"{status['episodes_per_s']:.2f}")
+            rate = progress.steps_per_min(name)
+            table.add_row(name, f"{a['step']}/{status['total_steps']}", "-" if rate is None else f"{rate:.2f}",
+                          fmt_duration(progress.eta_s(name, a["step"], status["total_steps"])),
+                          str(a["weight_version"]), fmt(a["recent_group_reward"]), fmt(a["eval_start"]),
+                          fmt(a["eval_end"]), f"{status['episodes_per_s']:.2f}")
     return table
 
 
@@ -220,6 +227,7 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
     coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget."""
     waiter = threading.Event()
     status = None
+    progress = Progress()
     last_print = 0.0
     started = time.time()
     announced = False
@@ -236,13 +244,14 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
                     console.print(f"control API at {api} (docs at {api}/docs) — all services up in "
                                   f"{time.time() - started:.0f}s")
                     announced = True
+                progress.update(status)
             except (httpx.HTTPError, ValueError):
                 pass
             restarts = group.restart_counts()
             if console.is_terminal:
-                live.update(status_table(status, restarts), refresh=True)
+                live.update(status_table(status, restarts, progress), refresh=True)
             elif status and time.time() - last_print > 15:
-                console.print(status_table(status, restarts))
+                console.print(status_table(status, restarts, progress))
                 last_print = time.time()
             waiter.wait(1.0)
 

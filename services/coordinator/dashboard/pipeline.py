@@ -1,0 +1,91 @@
+"""The pipeline now, for the dashboard: the staleness gate per agent and every service's health.
+
+A service's health is read from Redis itself: each service reads its streams through a consumer
+group under its own name, and a live one polls them every second or so, so a consumer whose last
+read is older than ``STALE_S`` has stopped. Its last event on the events stream (kind, age, and the
+``restarts`` count when a ``health`` event carries one) and the engines' restarts from the rollout's
+load report complete the picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from services.contracts.codec import FIELD, decode
+from services.contracts.messages import Event
+
+STALE_S = 15.0
+EVENTS_SCANNED = 500
+
+
+def gate(agent: Any) -> dict[str, Any]:
+    """An agent's launch gate (coordinator/state.py): claimed groups against the staleness limit."""
+    limit = (agent.loaded_version + agent.max_staleness + 1) * agent.groups_per_batch
+    empty = sum(1 for s in agent.group_status.values() if s == "empty")  # the agent got no turn in them
+    return {"blocked": agent.blocked_by_staleness(), "claimed": agent.claimed, "limit": limit,
+            "max_staleness": agent.max_staleness, "loaded_version": agent.loaded_version,
+            "groups": {"kept": agent.kept_groups, "dropped": agent.dropped_groups,
+                       "in_flight": agent.in_flight_groups, "empty": empty}}
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+async def consumers(redis: Any, streams: list[str], prefix: str = "") -> dict[str, list[dict[str, Any]]]:
+    """Per consumer (a service), its groups on the run's streams with idle time and pending count."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for stream in streams:
+        with contextlib.suppress(Exception):  # a stream nobody created yet
+            for g in await redis.xinfo_groups(stream):
+                group = _s(g["name"])
+                for c in await redis.xinfo_consumers(stream, group):
+                    idle = float(c.get("inactive", c.get("idle", 0)) or 0)
+                    if idle < 0:  # a consumer that never read successfully
+                        idle = float(c.get("idle", 0) or 0)
+                    name = _s(c["name"]).removeprefix("control-")  # watch_control's group/consumer name
+                    out.setdefault(name, []).append({
+                        "stream": stream.removeprefix(prefix),
+                        "group": group, "idle_s": round(idle / 1000, 1), "pending": int(c.get("pending", 0))})
+    return out
+
+
+async def recent_events(redis: Any, stream: str, count: int = EVENTS_SCANNED) -> dict[str, dict[str, Any]]:
+    """Per event source, its last event (kind, age) and what its health and error events said."""
+    now = time.time()
+    out: dict[str, dict[str, Any]] = {}
+    for _, fields in await redis.xrevrange(stream, count=count):
+        try:
+            ev = decode(fields[FIELD], Event)
+        except Exception:
+            continue
+        seen = out.setdefault(ev.source, {"last_kind": ev.kind, "last_event_s": round(now - ev.created_at, 1)})
+        if ev.kind in ("health", "error") and ev.kind not in seen:
+            seen[ev.kind] = ev.data
+            if "restarts" in ev.data and "restarts" not in seen:
+                seen["restarts"] = ev.data["restarts"]
+    return out
+
+
+async def services(coord: Any) -> list[dict[str, Any]]:
+    """Every service the run's streams know of: alive (recent reads), last event, restarts."""
+    s = coord.bus.streams
+    streams = [s.events, s.control, s.replies(coord.name)] + [
+        f(a) for a in coord.cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
+    reads = await consumers(coord.bus.redis, streams, s.key(""))
+    events = await recent_events(coord.bus.redis, s.events)
+    restarts = {f"rollout-{a}": sum(int(e.get("restarts") or 0) for e in st.rollout.get("engines", []))
+                for a, st in coord.state.agents.items()}
+    rows = []
+    for name in sorted(set(reads) | set(events)):
+        groups = reads.get(name, [])
+        idle = min((g["idle_s"] for g in groups), default=None)
+        ev = events.get(name, {})
+        alive = (idle is not None and idle < STALE_S) or ev.get("last_event_s", 1e9) < STALE_S
+        rows.append({"service": name, "healthy": alive, "idle_s": idle, "reads": groups,
+                     "last_event": ev.get("last_kind"), "last_event_s": ev.get("last_event_s"),
+                     "restarts": ev.get("restarts"), "engine_restarts": restarts.get(name),
+                     "error": ev.get("error")})
+    return rows

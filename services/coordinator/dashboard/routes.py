@@ -1,0 +1,88 @@
+"""The dashboard's read-only data routes (``/v1/dashboard/*``) and its page at ``/``.
+
+Bad query values get a 422 naming the field (the API's handler), an unknown episode a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import FileResponse
+
+from services.coordinator.dashboard.pipeline import gate, services
+from services.coordinator.dashboard.transcripts import board, brief, decode_tokens, load_tokens, matches
+
+NO_CACHE = {"Cache-Control": "no-store"}
+
+
+def _finite(name: str, v: float | None) -> float | None:
+    if v is not None and not math.isfinite(v):
+        raise HTTPException(422, f"{name} must be a finite number")
+    return v
+
+
+def create_router(coord: Any, index: Path) -> APIRouter:
+    router = APIRouter()
+    env_cls = coord.env_cls
+
+    @router.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(index, headers=NO_CACHE)
+
+    @router.get("/v1/dashboard/info")
+    async def info() -> dict[str, Any]:
+        cfg = coord.cfg
+        return {"run": cfg.run.name, "environment": cfg.environment.name, "roles": cfg.environment.roles,
+                "env_roles": list(env_cls.roles), "agents": {a: {"train": c.train} for a, c in cfg.agents.items()},
+                "total_steps": cfg.run.total_steps, "token_required": bool(cfg.api.token),
+                "started_at": coord.state.started_at}
+
+    @router.get("/v1/dashboard/pipeline")
+    async def pipeline() -> dict[str, Any]:
+        return {"gates": {a: gate(s) for a, s in coord.state.agents.items()},
+                "services": await services(coord)}
+
+    @router.get("/v1/dashboard/episodes")
+    async def episodes(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
+                       agent: str | None = Query(None, max_length=200),
+                       role: str | None = Query(None, max_length=200),
+                       purpose: Literal["train", "eval"] | None = None,
+                       min_reward: float | None = None, max_reward: float | None = None) -> dict[str, Any]:
+        _finite("min_reward", min_reward)
+        _finite("max_reward", max_reward)
+        if role and role not in env_cls.roles:
+            raise HTTPException(422, f"role {role!r} is not a role of {coord.cfg.environment.name} "
+                                     f"({', '.join(env_cls.roles)})")
+        recs = [r for r in reversed(list(coord.episodes.values()))
+                if matches(r, agent or None, role or None, purpose, min_reward, max_reward)]
+        return {"total": len(recs), "episodes": [brief(r) for r in recs[offset: offset + limit]]}
+
+    async def record(episode_id: str) -> dict[str, Any]:
+        rec = coord.episodes.get(episode_id)
+        if rec is None:
+            raw = await coord.bus.redis.hget(coord.bus.streams.episodes(), episode_id)
+            if raw is None:
+                raise HTTPException(404, f"no episode {episode_id!r}")
+            rec = json.loads(raw)
+        return dict(rec)
+
+    @router.get("/v1/dashboard/episodes/{episode_id}")
+    async def episode(episode_id: str) -> dict[str, Any]:
+        rec = await record(episode_id)
+        return rec | {"board": board(env_cls, rec)}
+
+    @router.get("/v1/dashboard/episodes/{episode_id}/tokens")
+    async def tokens(episode_id: str) -> dict[str, Any]:
+        await record(episode_id)
+        data = await load_tokens(coord.bus, episode_id)
+        if data is None:
+            raise HTTPException(404, f"the tokens of episode {episode_id!r} are no longer kept (or it had no "
+                                     "model turn)")
+        return await asyncio.to_thread(decode_tokens, data, coord.tokenizer_for)
+
+    return router

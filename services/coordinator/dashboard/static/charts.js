@@ -1,0 +1,100 @@
+// Charts of the Tandem dashboard: one uPlot chart per metric, one series per agent.
+// Each chart's element carries data-points = {"agent": number of points}, which the browser test reads.
+"use strict";
+
+const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563", "#ca8a04"];
+// train_step keys shown first; any other numeric key follows
+const PREFERRED = ["reward_mean", "pg_loss", "loss", "kl", "entropy", "clip_frac", "grad_norm", "tis_weight_mean",
+  "tis_clipped_frac", "tokens_per_s", "lr"];
+const SKIP = new Set(["version", "time", "samples", "samples_trained", "optimizer_steps", "tokens", "train_seconds"]);
+
+const Charts = {
+  agents: [],
+  charts: {},        // key -> {plot, el, title}
+  color(agent) { return COLORS[this.agents.indexOf(agent) % COLORS.length]; },
+
+  ensure(key, title, xLabel) {
+    if (this.charts[key]) return this.charts[key];
+    const box = document.createElement("div");
+    box.className = "chart";
+    box.id = "chart-" + key.replace(/[^A-Za-z0-9_-]/g, "_");
+    box.dataset.key = key;
+    box.dataset.points = "{}";
+    const h = document.createElement("h4");
+    h.textContent = title;
+    box.appendChild(h);
+    document.getElementById("charts").appendChild(box);
+    const series = [{label: xLabel}].concat(this.agents.map(a => ({
+      label: a, stroke: this.color(a), width: 1.5, spanGaps: true, points: {show: true, size: 4},
+    })));
+    const opts = {width: 380, height: 200, series, legend: {show: false},
+      scales: {x: {time: false}}, axes: [{label: xLabel, size: 40}, {size: 50}]};
+    const empty = [[]].concat(this.agents.map(() => []));
+    const plot = new uPlot(opts, empty, box);
+    this.charts[key] = {plot, el: box, title};
+    return this.charts[key];
+  },
+
+  // perAgent: {agent: [[x...], [y...]]}
+  set(key, title, xLabel, perAgent) {
+    const c = this.ensure(key, title, xLabel);
+    const tables = this.agents.map(a => perAgent[a] || [[], []]);
+    const data = uPlot.join(tables).map((s, i) => (i ? s.map(v => (v === undefined ? null : v)) : s));
+    c.plot.setData(data);
+    const points = {};
+    this.agents.forEach(a => { points[a] = (perAgent[a] || [[]])[0].length; });
+    c.el.dataset.points = JSON.stringify(points);
+  },
+
+  legend() {
+    const el = document.getElementById("legend");
+    el.innerHTML = "";
+    this.agents.forEach(a => {
+      const s = document.createElement("span");
+      s.innerHTML = `<i style="background:${this.color(a)}"></i>`;
+      s.appendChild(document.createTextNode(a));
+      el.appendChild(s);
+    });
+  },
+
+  // metrics: /v1/metrics; status: /v1/status; t0: run start (unix s); xAxis: "step" | "time"
+  update(metrics, status, t0, xAxis) {
+    const rewards = {}, evals = {};
+    for (const a of this.agents) {
+      const gr = (metrics[a] || {}).group_rewards || [];
+      rewards[a] = [gr.map(p => +(p[0] - t0).toFixed(2)), gr.map(p => p[1])];
+      evals[a] = [[], []];
+    }
+    this.set("reward", "training reward per group", "seconds", rewards);
+    for (const e of status.evals || []) {
+      for (const [a, score] of Object.entries(e.scores || {})) {
+        if (!evals[a] || score === null) continue;
+        evals[a][0].push((e.versions || {})[a] || 0);
+        evals[a][1].push(score);
+      }
+    }
+    this.set("eval", "held-out eval score (vs scripted)", "weight version", evals);
+    const keys = new Set();
+    for (const a of this.agents) {
+      for (const s of (metrics[a] || {}).train_steps || []) {
+        for (const [k, v] of Object.entries(s)) if (typeof v === "number" && !SKIP.has(k)) keys.add(k);
+      }
+    }
+    const ordered = PREFERRED.filter(k => keys.has(k)).concat([...keys].filter(k => !PREFERRED.includes(k)).sort());
+    for (const k of ordered) {
+      const per = {};
+      for (const a of this.agents) {
+        const steps = ((metrics[a] || {}).train_steps || []).filter(s => typeof s[k] === "number");
+        const xs = steps.map((s, i) => xAxis === "time" ? +((s.time || 0) - t0).toFixed(1) : (s.version || i + 1));
+        per[a] = [xs, steps.map(s => s[k])];
+      }
+      this.set("train-" + k + "-" + xAxis, k, xAxis === "time" ? "seconds" : "step", per);
+    }
+    // charts of the other x axis are hidden, not dropped (switching back keeps them)
+    for (const c of Object.values(this.charts)) {
+      const key = c.el.dataset.key;
+      c.el.hidden = key.startsWith("train-") && !key.endsWith("-" + xAxis);
+    }
+  },
+};
+window.TandemCharts = Charts;

@@ -1,0 +1,225 @@
+"""Experiment logging researchers already use: TensorBoard event files and, optionally, Weights & Biases.
+
+``RunLogger`` writes what the coordinator already aggregates from the events stream and its own
+episodes: per agent the train-step metrics (at their weight version), the training reward per group,
+the held-out eval scores, the pipeline (queue depth, in-flight turns, groups kept / dropped / in
+flight, weight version), and every ``logging.text_every``-th episode's transcript as text.
+TensorBoard tags are ``<agent>/<section>/<name>`` (``A/train/pg_loss``, ``A/reward/group``,
+``A/eval/score``, ``A/pipeline/queue_depth``); W&B gets the same keys, each section on its own
+step axis. ``follow`` runs beside the coordinator and hands what is new to ``on_train_step``,
+``on_group_reward``, ``on_eval``, ``on_episode`` and ``on_pipeline`` every ``logging.interval_s``;
+``close`` writes what is left and flushes. The writes run off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from services.contracts.config import TandemConfig
+
+log = logging.getLogger("tandem.tracking")
+PIPELINE_KEYS = ("queue_depth", "inflight", "capacity", "waiting")
+
+
+class Followed(Protocol):
+    """What ``follow`` reads off the coordinator (its run state, evals and recent episodes)."""
+
+    state: Any
+    evals: list[dict[str, Any]]
+    episodes: dict[str, dict[str, Any]]
+
+
+@dataclass
+class Batch:
+    """What is new since the last write."""
+
+    steps: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    rewards: list[tuple[str, int, float, float]] = field(default_factory=list)  # agent, index, time, reward
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    pipeline: dict[str, dict[str, float]] = field(default_factory=dict)
+    elapsed: int = 0
+
+
+def numeric(data: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics dict (booleans and strings dropped)."""
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def transcript_markdown(rec: dict[str, Any]) -> str:
+    """An episode as a Markdown table (TensorBoard's text plugin renders Markdown)."""
+    rows = [f"**{rec.get('purpose')} episode {rec.get('id')}** (group {rec.get('group_id')}), "
+            f"roles {rec.get('roles')}, final rewards {rec.get('rewards')}", "",
+            "| turn | role | player | reply | weight version | turn rewards |", "|---|---|---|---|---|---|"]
+    for t in rec.get("turns", []):
+        text = str(t.get("text", "")).replace("|", "\\|").replace("\n", " ")[:400]
+        rows.append(f"| {t.get('turn')} | {t.get('role')} | {t.get('agent')} | `{text}` | "
+                    f"{t.get('weight_version', '-')} | {t.get('turn_rewards') or ''} |")
+    return "\n".join(rows)
+
+
+class RunLogger:
+    """TensorBoard (``logging.tensorboard``) and W&B (``logging.wandb``) writers for one run."""
+
+    def __init__(self, cfg: TandemConfig, run_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.opts = cfg.logging
+        self.dir = Path(run_dir) if run_dir is not None else cfg.run_dir()
+        self.tb: Any = None
+        self.wandb: Any = None
+        self.opened = False
+        self.closed = False
+        self.cursors: dict[str, int] = {}
+        self.episodes_seen = 0
+        self.started = time.time()
+        self.lock = threading.Lock()  # one write at a time (the follower's and the final one)
+
+    # --- writers --------------------------------------------------------------
+    def open(self) -> None:
+        """Create the writers (once): TensorBoard's event files, a W&B run (offline needs no network)."""
+        if self.opened:
+            return
+        self.opened = True
+        if self.opts.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), flush_secs=10)
+        if self.opts.wandb is not None and self.opts.wandb.mode != "disabled":
+            import wandb
+
+            (self.dir / "wandb").mkdir(parents=True, exist_ok=True)
+            w = self.opts.wandb
+            self.wandb = wandb.init(project=w.project, entity=w.entity, mode=w.mode, dir=str(self.dir),
+                                    name=self.cfg.run.name, config=self.cfg.model_dump(mode="json"),
+                                    settings=wandb.Settings(console="off", silent=True))
+            for agent in self.cfg.agents:
+                for section, axis in (("train", "version"), ("reward", "group"), ("eval", "version"),
+                                      ("pipeline", "elapsed_s")):
+                    self.wandb.define_metric(f"{agent}/{section}/{axis}")
+                    self.wandb.define_metric(f"{agent}/{section}/*", step_metric=f"{agent}/{section}/{axis}")
+
+    def _scalars(self, prefix: str, values: dict[str, float], step: int, axis: str) -> None:
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(f"{prefix}/{k}", v, global_step=step)
+        if self.wandb is not None and values:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in values.items()} | {f"{prefix}/{axis}": step})
+
+    # --- what is logged -------------------------------------------------------
+    def on_train_step(self, agent: str, metrics: dict[str, Any]) -> None:
+        """One train_step event's metrics, at the weight version it produced."""
+        values = numeric(metrics)
+        step = int(values.pop("version", 0) or 0)
+        values.pop("time", None)
+        self._scalars(f"{agent}/train", values, step, "version")
+
+    def on_group_reward(self, agent: str, index: int, reward: float) -> None:
+        """The mean reward of the agent's samples in its ``index``-th training group (1-based)."""
+        self._scalars(f"{agent}/reward", {"group": reward}, index, "group")
+
+    def on_eval(self, entry: dict[str, Any]) -> None:
+        """One held-out evaluation (start, end or on demand): score, wins/draws/losses per agent."""
+        for agent, score in entry.get("scores", {}).items():
+            detail = entry.get("details", {}).get(agent, {})
+            values = numeric({k: detail.get(k) for k in ("wins", "draws", "losses", "mean_reward")})
+            if isinstance(score, int | float):
+                values["score"] = float(score)
+            self._scalars(f"{agent}/eval", values, int(entry.get("versions", {}).get(agent, 0)), "version")
+
+    def on_episode(self, record: dict[str, Any]) -> None:
+        """Every ``text_every``-th episode's transcript goes to TensorBoard as text."""
+        self.episodes_seen += 1
+        every = self.opts.text_every
+        if self.tb is not None and every and (self.episodes_seen - 1) % every == 0:
+            self.tb.add_text(f"transcripts/{record.get('purpose', 'train')}", transcript_markdown(record),
+                             global_step=self.episodes_seen)
+
+    def on_pipeline(self, agent: str, values: dict[str, float], elapsed: int) -> None:
+        self._scalars(f"{agent}/pipeline", values, elapsed, "elapsed_s")
+
+    # --- following the coordinator --------------------------------------------
+    def _new(self, key: str, items: list[Any]) -> list[tuple[int, Any]]:
+        start = self.cursors.get(key, 0)
+        self.cursors[key] = len(items)
+        return list(enumerate(items[start:], start=start + 1))
+
+    def collect(self, coord: Followed) -> Batch:
+        """What is new in the coordinator's state (run on the event loop: it only copies)."""
+        batch = Batch(elapsed=int(time.time() - self.started))
+        for name, a in coord.state.agents.items():
+            batch.steps += [(name, rec) for _, rec in self._new(f"steps/{name}", a.train_steps)]
+            batch.rewards += [(name, i, t, r) for i, (t, r) in self._new(f"rewards/{name}", a.group_rewards)]
+            pipe = numeric({k: a.rollout.get(k) for k in PIPELINE_KEYS})
+            pipe.update(weight_version=a.loaded_version, groups_kept=a.kept_groups,
+                        groups_dropped=a.dropped_groups, groups_in_flight=a.in_flight_groups)
+            batch.pipeline[name] = pipe
+        batch.evals = [e for _, e in self._new("evals", coord.evals)]
+        fresh = coord.state.episodes_done - self.cursors.get("episodes", 0)
+        self.cursors["episodes"] = coord.state.episodes_done
+        if fresh > 0:
+            batch.episodes = list(coord.episodes.values())[-fresh:]
+        return batch
+
+    def write(self, batch: Batch) -> None:
+        with self.lock:
+            if not self.closed:
+                self._write(batch)
+
+    def _write(self, batch: Batch) -> None:
+        self.open()
+        for agent, rec in batch.steps:
+            self.on_train_step(agent, rec)
+        for agent, index, _, reward in batch.rewards:
+            self.on_group_reward(agent, index, reward)
+        for entry in batch.evals:
+            self.on_eval(entry)
+        for rec in batch.episodes:
+            self.on_episode(rec)
+        for agent, values in batch.pipeline.items():
+            self.on_pipeline(agent, values, batch.elapsed)
+        if self.tb is not None:
+            self.tb.flush()
+
+    async def follow(self, coord: Followed, stop: asyncio.Event) -> None:
+        """Write what is new every ``logging.interval_s`` until ``stop``; a failing writer is logged, not fatal."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.opts.interval_s)
+            if self.closed:
+                await stop.wait()
+                return
+            try:
+                await asyncio.to_thread(self.write, self.collect(coord))
+            except Exception:
+                log.exception("writing the run's TensorBoard / W&B logs failed")
+
+    async def close(self, coord: Followed | None = None) -> None:
+        """Write what is left, then flush and close the writers (idempotent)."""
+        if self.closed:
+            return
+        batch = self.collect(coord) if coord is not None else None
+        await asyncio.to_thread(self._finish, batch)
+
+    def _finish(self, batch: Batch | None) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            if batch is not None:
+                self._write(batch)
+            self.closed = True
+            self._close_writers()
+
+    def _close_writers(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
