@@ -353,9 +353,6 @@ def _train_logs(run: str, redis_url: str | None, data: Path | None) -> dict[str,
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="needs the coordinator to rebuild its run state from Redis at start (issue 11 item 1, "
-                  "branch wip-coord): the launcher side passes (each trainer logs versions 1..total once, no sample "
-                  "twice), but today's coordinator counts only the versions of the resumed session in summary.json")
 @pytest.mark.parametrize("redis", ["embedded", "external"])
 def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, tiny_model_dir, redis, request):
     """SIGINT mid-training, then --resume: every step once, no sample trained twice, the end evaluation."""

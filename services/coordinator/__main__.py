@@ -16,6 +16,8 @@ from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
 from services.coordinator.tracking import RunLogger
 
+RUN_FAILED = 3  # the launcher's supervisor does not restart this exit code (services/launcher/processes.py)
+
 
 async def main_async(config: str, port: int | None) -> int:
     log = setup_logging("coordinator")
@@ -47,7 +49,9 @@ async def main_async(config: str, port: int | None) -> int:
                       bus.consume(s.events, "coordinator", coord.name, coord.on_event, stop),
                       watch_control(bus, "control-coordinator", stop, coord.on_control, stop_on_stop=False),
                       server.serve(), coord.housekeeping(stop), run_logger.follow(coord, stop), runner)
-    ok = runner.done() and not runner.cancelled() and runner.exception() is None and coord.state.error is None
+    if coord.state.error is not None:  # the run failed for good (recorded in Redis): a restart cannot fix it
+        return RUN_FAILED
+    ok = runner.done() and not runner.cancelled() and runner.exception() is None
     return 0 if ok else 1
 
 
