@@ -1,4 +1,4 @@
-"""Experiment configuration (DESIGN §7): one YAML file, validated at start.
+"""Experiment configuration (docs/architecture.md §7): one YAML file, validated at start.
 
 Every service reads the same file. Environment variables override single
 fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and

@@ -1,4 +1,4 @@
-"""The SGLang native HTTP API (DESIGN §5) as Tandem speaks it.
+"""The SGLang native HTTP API (docs/architecture.md §5) as Tandem speaks it.
 
 Field names follow SGLang's own request structs (``GenerateReqInput``,
 ``UpdateWeightFromDiskReqInput``) and its ``/generate`` reply. The embedded

@@ -1,4 +1,4 @@
-"""The control API (DESIGN §6): FastAPI over the coordinator's run state.
+"""The control API (docs/architecture.md §6): FastAPI over the coordinator's run state.
 
 Writes are guarded by a bearer token when ``api.token`` is configured. Bad
 input gets a 4xx whose body says what is wrong, never a 500.
@@ -22,7 +22,7 @@ from services.coordinator.scheduler import Coordinator
 
 def create_app(coord: Coordinator) -> FastAPI:
     app = FastAPI(title="Tandem control API", version="1",
-                  description="Drive and inspect a Tandem run (DESIGN §6).")
+                  description="Drive and inspect a Tandem run (docs/architecture.md §6).")
     token = coord.cfg.api.token
 
     @app.exception_handler(RequestValidationError)

@@ -1,6 +1,6 @@
 """Run state the coordinator owns: per-agent versions, group accounting, metrics, episodes.
 
-The launch gate (DESIGN §4) lives here: agent X blocks a new group while
+The launch gate (docs/architecture.md §4) lives here: agent X blocks a new group while
 ``kept + in_flight >= (loaded_version + max_staleness + 1) * groups_per_batch``.
 ``kept`` counts groups the buffer accepted, so a group it drops (stale,
 filtered) or one abandoned (see ledger.py) is replaced; with

@@ -1,4 +1,4 @@
-"""The embedded engine's HTTP server: SGLang's native API (DESIGN §5) over ``generator.Engine``.
+"""The embedded engine's HTTP server: SGLang's native API (docs/architecture.md §5) over ``generator.Engine``.
 
 ``create_app(model_path, weight_version, max_batch, engine_id, admit_quiet_s, admit_window_s)`` loads the model
 and returns a FastAPI app serving ``/health``, ``/health_generate``,

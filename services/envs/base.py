@@ -1,4 +1,4 @@
-"""The environment interface (DESIGN §8), in the spirit of the Tinker cookbook's Env.
+"""The environment interface (docs/architecture.md §8), in the spirit of the Tinker cookbook's Env.
 
 An environment is one episode between named roles. The coordinator asks it
 whose turn it is, gives it the acting role's new observation (text the role

@@ -1,4 +1,4 @@
-"""Guess the number: one role against a programmatic answerer (DESIGN §8, Tinker cookbook pattern).
+"""Guess the number: one role against a programmatic answerer (docs/architecture.md §8, Tinker cookbook pattern).
 
 The guesser must find a hidden integer in [low, high] (drawn from the seed, so
 the G copies of a group share it). Each reply must be an integer; the answerer

@@ -1,4 +1,4 @@
-"""Tic-tac-toe between two roles, "X" and "O" (DESIGN §8: two trained players in a game).
+"""Tic-tac-toe between two roles, "X" and "O" (docs/architecture.md §8: two trained players in a game).
 
 Rules
 -----
