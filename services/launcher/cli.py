@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from services.contracts.config import ConfigError, load_config
@@ -11,7 +12,7 @@ from services.launcher.preflight import preflight
 from services.launcher.runs import add_run_commands, run_command
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Co-train LLM agents over Redis Streams.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="start Redis and every service locally and run the experiment")
@@ -31,40 +32,47 @@ def main(argv: list[str] | None = None) -> None:
                    add_help=False)
     sub.add_parser("serve", help="serve the Tinker training API (tandem serve [CONFIG] [--port N])", add_help=False)
     add_run_commands(sub)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # becomes the service's own process (services do not import each other)
-        import os
+    return parser
 
+
+def pass_through(argv: list[str]) -> None:
+    """``serve`` and ``eval`` parse their own options."""
+    if argv[:1] == ["serve"]:  # becomes the service's own process (services do not import each other)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.execv(sys.executable, [sys.executable, "-m", "services.tinker_api", *argv[1:]])
-    if argv[:1] == ["eval"]:  # its own options: services/play/offline_eval.py, run in-process
-        import os
-
+    if argv[:1] == ["eval"]:  # services/play/offline_eval.py, run in-process
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         from services.play.offline_eval import main as eval_main
 
         raise SystemExit(eval_main(argv[1:]))
+
+
+def init_demo(out_dir: str, force: bool) -> None:
+    from pathlib import Path
+
+    from services.demo.warmstart import warmstart
+
+    if (Path(out_dir) / "model.safetensors").exists() and not force:
+        print(f"demo model already at {out_dir}")
+        return
+    warmstart(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    pass_through(argv)
     args = parser.parse_args(argv)
     if args.command == "envs":
         from services.envs.registry import describe_environments
 
         print(describe_environments())
         return
-
     if args.command in ("runs", "compare"):
         raise SystemExit(run_command(args))
-
     if args.command == "init-demo":
-        from pathlib import Path
-
-        from services.demo.warmstart import warmstart
-
-        if (Path(args.out_dir) / "model.safetensors").exists() and not args.force:
-            print(f"demo model already at {args.out_dir}")
-            return
-        warmstart(args.out_dir)
-        return
+        return init_demo(args.out_dir, args.force)
     mode = "validate" if args.command == "validate" else (
         "resume" if args.resume else "fresh" if args.fresh else "new")
     try:
