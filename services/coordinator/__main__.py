@@ -51,8 +51,8 @@ async def main_async(config: str, port: int | None) -> int:
 
     async def run_and_report() -> None:
         await coord.run()
-        await run_logger.close(coord)
         path = await asyncio.to_thread(write_report, coord.state, coord.evals, cfg.run_dir(), time.time() - started)
+        await run_logger.close(coord)  # after the report: the logs hold at least what it holds
         log.info("report written to %s", path)
         await bus.publish(s.control, Control(command="stop", args={"reason": coord.state.phase}))
         server.should_exit = True
