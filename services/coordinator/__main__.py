@@ -36,13 +36,7 @@ async def main_async(config: str, port: int | None) -> int:
     run_logger = RunLogger(cfg)  # TensorBoard / W&B (services/coordinator/tracking.py)
     await asyncio.to_thread(run_logger.open)  # their heavy imports and W&B's start, before any loop reads
 
-    async def run_and_log() -> None:
-        try:
-            await coord.run_and_report(server)
-        finally:
-            await run_logger.close(coord)
-
-    runner = asyncio.ensure_future(run_and_log())
+    runner = asyncio.ensure_future(coord.run_and_report(server, run_logger))
     await run_service("coordinator", bus, stop,
                       bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.on_reply,
                                   stop, concurrency=1, count=64),

@@ -371,13 +371,16 @@ class Coordinator:
         new, self.evals_saved = self.evals[self.evals_saved:], len(self.evals)
         await self.run_record.add_evals(new)
 
-    async def run_and_report(self, server: Any | None = None) -> None:
-        """Run, write the report, then tell every service to stop (and the API server to exit)."""
+    async def run_and_report(self, server: Any | None = None, run_logger: Any | None = None) -> None:
+        """Run, write the report, close the experiment logs (after the report: they hold at least what it
+        holds), then tell every service to stop (and the API server to exit)."""
         await self.run()
         await self.save_evals()
         wall = time.time() - self.state.started_at
         path = await asyncio.to_thread(write_report, self.state, self.evals, self.cfg.run_dir(), wall)
         log.info("report written to %s", path)
+        if run_logger is not None:
+            await run_logger.close(self)
         await self.bus.publish(self.bus.streams.control, Control(command="stop", args={"reason": self.state.phase}))
         if server is not None:
             server.should_exit = True

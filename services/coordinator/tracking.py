@@ -80,6 +80,7 @@ class RunLogger:
         self.closed = False
         self.cursors: dict[str, int] = {}
         self.episodes_seen = 0
+        self.steps_seen: dict[str, int] = {}
         self.started = time.time()
         self.lock = threading.Lock()  # one write at a time (the follower's and the final one)
 
@@ -118,7 +119,8 @@ class RunLogger:
     def on_train_step(self, agent: str, metrics: dict[str, Any]) -> None:
         """One train_step event's metrics, at the weight version it produced."""
         values = numeric(metrics)
-        step = int(values.pop("version", 0) or 0)
+        self.steps_seen[agent] = self.steps_seen.get(agent, 0) + 1
+        step = int(values.pop("version", self.steps_seen[agent]))  # a metrics dict without a version: its count
         values.pop("time", None)
         self._scalars(f"{agent}/train", values, step, "version")
 

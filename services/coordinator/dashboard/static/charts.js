@@ -8,6 +8,14 @@ const PREFERRED = ["reward_mean", "pg_loss", "loss", "kl", "entropy", "clip_frac
   "tis_clipped_frac", "tokens_per_s", "lr"];
 const SKIP = new Set(["version", "time", "samples", "samples_trained", "optimizer_steps", "tokens", "train_seconds"]);
 
+// uPlot's own range fails ("Invalid array length") on a nearly flat series (e.g. 1.0 and 1.0000005): pad it
+function yRange(u, min, max) {
+  if (min == null || max == null) return [0, 1];
+  const mag = Math.max(Math.abs(min), Math.abs(max), 1e-9);
+  if (max - min < mag * 1e-3) return [min - mag * 0.05, max + mag * 0.05];
+  return uPlot.rangeNum(min, max, 0.1, true);
+}
+
 const Charts = {
   agents: [],
   charts: {},        // key -> {plot, el, title}
@@ -28,7 +36,7 @@ const Charts = {
       label: a, stroke: this.color(a), width: 1.5, spanGaps: true, points: {show: true, size: 4},
     })));
     const opts = {width: 380, height: 200, series, legend: {show: false},
-      scales: {x: {time: false}}, axes: [{label: xLabel, size: 40}, {size: 50}]};
+      scales: {x: {time: false}, y: {range: yRange}}, axes: [{label: xLabel, size: 40}, {size: 50}]};
     const empty = [[]].concat(this.agents.map(() => []));
     const plot = new uPlot(opts, empty, box);
     this.charts[key] = {plot, el: box, title};
@@ -40,7 +48,13 @@ const Charts = {
     const c = this.ensure(key, title, xLabel);
     const tables = this.agents.map(a => perAgent[a] || [[], []]);
     const data = uPlot.join(tables).map((s, i) => (i ? s.map(v => (v === undefined ? null : v)) : s));
-    c.plot.setData(data);
+    try {
+      c.plot.setData(data);
+      c.el.classList.remove("failed");
+    } catch (err) {  // one chart that cannot draw must not stop the others
+      c.el.classList.add("failed");
+      c.el.title = "could not draw: " + err;
+    }
     const points = {};
     this.agents.forEach(a => { points[a] = (perAgent[a] || [[]])[0].length; });
     c.el.dataset.points = JSON.stringify(points);
