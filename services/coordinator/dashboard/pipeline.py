@@ -23,11 +23,11 @@ EVENTS_SCANNED = 500
 def gate(agent: Any) -> dict[str, Any]:
     """An agent's launch gate (coordinator/state.py): claimed groups against the staleness limit."""
     limit = (agent.loaded_version + agent.max_staleness + 1) * agent.groups_per_batch
-    empty = sum(1 for s in agent.group_status.values() if s == "empty")  # the agent got no turn in them
     return {"blocked": agent.blocked_by_staleness(), "claimed": agent.claimed, "limit": limit,
             "max_staleness": agent.max_staleness, "loaded_version": agent.loaded_version,
             "groups": {"kept": agent.kept_groups, "dropped": agent.dropped_groups,
-                       "in_flight": agent.in_flight_groups, "empty": empty}}
+                       "abandoned": agent.abandoned_groups, "in_flight": agent.in_flight_groups},
+            "abandon_reasons": dict(agent.abandon_reasons)}  # the group ledger's reasons (ledger.py)
 
 
 def _s(v: Any) -> str:

@@ -70,7 +70,8 @@ function drawAgents(st, pipe) {
     card.append(h, kv("step", `${a.step} / ${st.total_steps}`), kv("weight version", a.weight_version),
       kv("staleness gate", `${g.blocked ? "blocked" : "open"} · ${g.claimed} / ${g.limit} groups (max staleness ${g.max_staleness})`,
         g.blocked ? "warn" : ""),
-      kv("groups", `kept ${g.groups.kept} · dropped ${g.groups.dropped} · in flight ${g.groups.in_flight} · empty ${g.groups.empty}`),
+      kv("groups", `kept ${g.groups.kept} · dropped ${g.groups.dropped} · abandoned ${g.groups.abandoned} · in flight ${g.groups.in_flight}`),
+      kv("abandoned for", Object.entries(g.abandon_reasons || {}).map(([r, n]) => `${r}: ${n}`).join(" · ") || "-"),
       kv("queue depth", ro.queue_depth ?? "-"), kv("in-flight turns", `${ro.inflight ?? "-"} / ${ro.capacity ?? "-"}` +
         (ro.waiting ? ` (${ro.waiting} waiting)` : "")),
       kv("recent reward", a.recent_group_reward === null ? "-" : a.recent_group_reward.toFixed(3)),
