@@ -74,7 +74,7 @@ class SampleStore:
         self.k_ready = s.buffer_ready(agent)
         self.k_verdicts = s.buffer_verdicts(agent)
         self.k_pending = s.groups_pending(agent)
-        self.k_released = s.key(f"buffer:{agent}:released")
+        self.k_released = s.batches_released(agent)
         self._decide = bus.redis.register_script(DECIDE)
         self.lock = asyncio.Lock()  # a sample's store-and-decide and the timeout sweep never interleave
 

@@ -168,6 +168,20 @@ class TrainStep(EventBase):
     metrics: dict[str, float | int | str | None]
 
 
+class TrainStepSkipped(EventBase):
+    """trainer → the step on batch ``batch_id`` was skipped: its loss, a gradient or a weight was non-finite
+    (``reason``). No version was made; the weights are as they were; the samples are rejected (dead-lettered),
+    their groups dropped; ``consecutive`` counts skipped steps in a row (the trainer stops at the limit)."""
+
+    kind: Literal["train_step_skipped"] = "train_step_skipped"
+    batch_id: str
+    batch_step: int = Field(ge=1)
+    reason: str
+    sample_ids: list[str]
+    group_ids: list[str]
+    consecutive: int = Field(ge=1)
+
+
 GroupOutcome = Literal["kept", "dropped", "abandoned"]
 
 
@@ -222,9 +236,11 @@ class RolloutLoad(EventBase):
                 "engines": [e.model_dump(exclude_none=True) for e in self.engines]}
 
 
-Event = Annotated[WeightsLoaded | TrainStep | GroupDone | BatchReleased | RolloutLoad, Field(discriminator="kind")]
+Event = Annotated[WeightsLoaded | TrainStep | TrainStepSkipped | GroupDone | BatchReleased | RolloutLoad,
+                  Field(discriminator="kind")]
 """Every event, told apart by ``kind``."""
-EVENT_TYPES: tuple[type[EventBase], ...] = (WeightsLoaded, TrainStep, GroupDone, BatchReleased, RolloutLoad)
+EVENT_TYPES: tuple[type[EventBase], ...] = (WeightsLoaded, TrainStep, TrainStepSkipped, GroupDone, BatchReleased,
+                                            RolloutLoad)
 
 
 class Control(Message):

@@ -79,6 +79,15 @@ class Streams:
         buffer removes a group when it records its verdict, and abandons one left past the group timeout."""
         return self.key(f"groups:{agent}:pending")
 
+    def batches_released(self, agent: str) -> str:
+        """Counter: batches the buffer released for the agent (the next batch trains towards this + 1); the
+        trainer counts a batch it skipped (non-finite step) back down, so the buffer releases one in its place."""
+        return self.key(f"buffer:{agent}:released")
+
+    def skipped_batches(self, agent: str) -> str:
+        """Hash: batch id -> JSON record of a training step the trainer skipped (non-finite), kept once."""
+        return self.key(f"trainer:{agent}:skipped_batches")
+
     def trained_samples(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:trained_samples")
 
