@@ -156,6 +156,16 @@ class SampleStore:
                     out.append(verdict)
         return out
 
+    async def abandon(self, group_id: str, reason: str) -> GroupVerdict | None:
+        """Abandon an emitted group at once (a member was rejected): its stored samples are removed, samples
+        still to come are not stored (the verdict is on record). Returns the verdict when this call made it;
+        None for a group the coordinator never emitted or one already decided."""
+        async with self.lock:
+            if await self.bus.redis.zscore(self.k_pending, group_id) is None:
+                return None
+            verdict = await self.decide(group_id, "abandoned", reason, await self.group_samples(group_id))
+        return verdict if verdict.outcome == "abandoned" and verdict.reason == reason else None
+
     async def samples_waiting(self) -> bool:
         """Entries of ``samples:{agent}`` the buffer's consumer group has not acknowledged yet."""
         stream = self.bus.streams.samples(self.agent)
