@@ -145,12 +145,15 @@ class Batch(Message):
 
 
 class WeightsUpdate(Message):
-    """weights:{agent} — a new HF-format weight directory is ready."""
+    """weights:{agent} — a new HF-format weight directory is ready. ``checksum``: SHA-256 over the directory's
+    files; ``signature``: HMAC-SHA256 of (agent, version, path, checksum) with the run's secret (the rollout
+    refuses an update without a valid one: services.common.weights_auth)."""
 
     agent: str
     version: int = Field(ge=1)
     path: str
     checksum: str
+    signature: str = ""
 
 
 class EventBase(Message):

@@ -10,7 +10,10 @@ input_ids, sampling_params, return_logprob), at most ``max_inflight_per_engine``
 at a time, and the token-exact reply goes to the requester's reply stream. A reply whose ids fall
 outside the agent's vocabulary or whose logprobs are not finite and <= 0 (a misbehaving engine) is not
 passed on: the requester gets an error reply and the turn is rejected with the reason. ``on_weights``: new
-weights from ``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published.
+weights from ``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published; only
+an authentic update is loaded (signed with the run's secret, a version the trainer committed, files that
+match its checksum: ``weights_auth.refusal``), anything else is rejected with the reason and the engines
+keep the weights they had.
 ``report_load``: every ``LOAD_EVERY_S`` the queue depth and per-engine load go to ``events`` as
 ``rollout_load``.
 """
@@ -27,6 +30,7 @@ import httpx
 from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
+from services.common.weights_auth import refusal, run_secret
 from services.contracts.config import TandemConfig
 from services.contracts.messages import (
     EngineStatus,
@@ -144,6 +148,9 @@ class RolloutService:
         if loaded is not None and w.version < int(loaded):  # a redelivered old update never rolls engines back
             log.warning("version %d arrived after version %s was loaded: skipped", w.version, int(loaded))
             return
+        why = await refusal(self.bus.redis, s, await run_secret(self.bus.redis, s), w)
+        if why is not None:
+            raise Reject(f"weights version {w.version} at {w.path} refused: {why}")
         if self.fleet is not None:
             engines = await self.fleet.load_weights(w.path, w.version)
         else:
@@ -191,6 +198,10 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
         w = WeightsUpdate.model_validate_json(raw)
     except ValueError as exc:
         log.warning("cannot resume the loaded weights (%s): engines start on the base model", exc)
+        return
+    why = await refusal(bus.redis, bus.streams, await run_secret(bus.redis, bus.streams), w)
+    if why is not None:
+        log.warning("not resuming weights version %d (%s): engines start on the base model", w.version, why)
         return
     await fleet.load_weights(w.path, w.version)
     log.info("resumed on version %d", w.version)

@@ -37,6 +37,7 @@ from typing import Any
 
 from services.common.bus import Bus, Reject
 from services.common.metrics import SKIPPED_STEPS
+from services.common.weights_auth import run_secret, sign
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Batch, Control, Sample, TrainStep, TrainStepSkipped, WeightsUpdate
 from services.training.backends import Policy
@@ -89,6 +90,7 @@ class TrainerService:
         self.failed: str | None = None  # why the trainer stopped itself
         self.stop = asyncio.Event()  # set by a stop command, or when the trainer stops itself
         self._skip = bus.redis.register_script(SKIP)
+        self.secret = b""  # the run's weights-signing secret (``resume`` reads it)
 
     def state_dir(self, version: int) -> Path:
         return self.state_root / f"v{version:05d}"
@@ -97,6 +99,7 @@ class TrainerService:
         """Start from the published version's training state (or save version 0's, what a failed step rolls
         back to). Raises RuntimeError when the published version's state is missing."""
         s = self.bus.streams
+        self.secret = await run_secret(self.bus.redis, s)
         self.version = int(await self.bus.redis.get(s.published_version(self.agent)) or 0)
         await asyncio.to_thread(tidy_states, self.state_root, self.version)
         if self.version:
@@ -147,6 +150,7 @@ class TrainerService:
             failpoint("after_state", new_version)
             record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
                       "path": str(path.resolve()), "checksum": checksum,
+                      "signature": sign(self.secret, self.agent, new_version, str(path.resolve()), checksum),
                       "engines": sorted({e for x in fresh for e in x.engines}),
                       "min_weight_version": min(x.min_weight_version for x in fresh),
                       "metrics": {**metrics, "version": new_version, "batch_step": batch.step}}
@@ -206,8 +210,10 @@ class TrainerService:
     async def announce(self, rec: dict[str, Any]) -> None:
         """Publish a committed version: its weights, then its train_step event (kept once per version)."""
         s = self.bus.streams
-        await self.bus.publish(s.weights(self.agent), WeightsUpdate(agent=self.agent, version=rec["version"],
-                                                                    path=rec["path"], checksum=rec["checksum"]))
+        await self.bus.publish(s.weights(self.agent), WeightsUpdate(
+            agent=self.agent, version=rec["version"], path=rec["path"], checksum=rec["checksum"],
+            signature=rec.get("signature") or sign(self.secret, self.agent, rec["version"], rec["path"],
+                                                    rec["checksum"])))
         if "metrics" in rec:
             metrics = {k: v for k, v in rec["metrics"].items() if k not in ("version", "batch_step")}
             await self.bus.publish(s.events, TrainStep(source=self.bus.service, agent=self.agent,
