@@ -103,10 +103,12 @@ async def test_the_trainer_skips_reports_and_stops_after_the_limit(redis_url: st
     with pytest.raises(Reject, match="rejected samples"):  # a redelivery: recorded once, not trained again
         await trainer.on_batch(bad)
     assert trainer.nonfinite_in_row == 1 and int(await bus.redis.get(s.batches_released("A"))) == 0
+    assert int(await bus.redis.get(s.nonfinite_in_row("A"))) == 1
 
     good = Batch(agent="A", step=1, samples=[sample("g3", 1.0), sample("g3", 0.0)])
     await trainer.on_batch(good)  # trains from the restored weights; the count of skips in a row resets
     assert trainer.version == 1 and trainer.nonfinite_in_row == 0
+    assert int(await bus.redis.get(s.nonfinite_in_row("A"))) == 0
     (pub,) = await entries(bus, s.weights("A"), WeightsUpdate)
     tensors = await asyncio.to_thread(load_file, str(Path(pub.path) / "model.safetensors"))
     assert tensors and all(bool(torch.isfinite(t).all()) for t in tensors.values())
@@ -119,6 +121,9 @@ async def test_the_trainer_skips_reports_and_stops_after_the_limit(redis_url: st
     assert trainer.failed is not None and "2 training steps in a row" in trainer.failed
     assert "max_nonfinite_steps = 2" in trainer.failed
     assert [w.version for w in await entries(bus, s.weights("A"), WeightsUpdate)] == [1]
+    restarted = TrainerService(cfg, "A", bus, policy)  # a restart keeps the count: it refuses to go on
+    with pytest.raises(RuntimeError, match="stopped after 2 non-finite training steps in a row"):
+        await restarted.resume()
     await bus.close()
 
 

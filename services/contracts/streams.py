@@ -88,6 +88,10 @@ class Streams:
         """Hash: batch id -> JSON record of a training step the trainer skipped (non-finite), kept once."""
         return self.key(f"trainer:{agent}:skipped_batches")
 
+    def nonfinite_in_row(self, agent: str) -> str:
+        """Counter: training steps skipped as non-finite since the last committed one (a restart keeps it)."""
+        return self.key(f"trainer:{agent}:nonfinite_in_row")
+
     def trained_samples(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:trained_samples")
 

@@ -46,11 +46,13 @@ from services.training.step import NonFiniteStep
 KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
 
 # Record a skipped batch once: count the buffer's released batches back down, mark its groups dropped.
-# KEYS: skipped-batches hash, released counter, buffer verdicts; ARGV: batch id, record, verdict, group ids...
+# KEYS: skipped-batches hash, released counter, buffer verdicts, skips-in-a-row counter;
+# ARGV: batch id, record, verdict, skips in a row, group ids...
 SKIP = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
-for i = 4, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], ARGV[3]) end
+redis.call('SET', KEYS[4], ARGV[4])
+for i = 5, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], ARGV[3]) end
 return 1
 """
 
@@ -100,6 +102,11 @@ class TrainerService:
         back to). Raises RuntimeError when the published version's state is missing."""
         s = self.bus.streams
         self.secret = await run_secret(self.bus.redis, s)
+        self.nonfinite_in_row = int(await self.bus.redis.get(s.nonfinite_in_row(self.agent)) or 0)
+        if self.nonfinite_in_row >= self.max_nonfinite:
+            raise RuntimeError(f"the trainer stopped after {self.nonfinite_in_row} non-finite training steps in a row "
+                               f"(agents.{self.agent}.max_nonfinite_steps = {self.max_nonfinite}); "
+                               f"see train_step_skipped events and the dead-letter stream")
         self.version = int(await self.bus.redis.get(s.published_version(self.agent)) or 0)
         await asyncio.to_thread(tidy_states, self.state_root, self.version)
         if self.version:
@@ -181,8 +188,10 @@ class TrainerService:
         groups = sorted({x.group_id for x in fresh})
         rec = {"batch_id": batch.id, "batch_step": batch.step, "reason": reason, "sample_ids": [x.id for x in fresh],
                "group_ids": groups, "consecutive": self.nonfinite_in_row, "version": self.version}
-        keys = [s.skipped_batches(self.agent), s.batches_released(self.agent), s.buffer_verdicts(self.agent)]
-        await self._skip(keys=keys, args=[batch.id, json.dumps(rec), "dropped:non-finite training step", *groups])
+        keys = [s.skipped_batches(self.agent), s.batches_released(self.agent), s.buffer_verdicts(self.agent),
+                s.nonfinite_in_row(self.agent)]
+        await self._skip(keys=keys, args=[batch.id, json.dumps(rec), "dropped:non-finite training step",
+                                          self.nonfinite_in_row, *groups])
         if self.nonfinite_in_row >= self.max_nonfinite:
             self.failed = (f"{self.nonfinite_in_row} training steps in a row were non-finite "
                            f"(agents.{self.agent}.max_nonfinite_steps = {self.max_nonfinite}); last: {reason}")
@@ -205,6 +214,7 @@ class TrainerService:
             pipe.sadd(s.trained_samples(self.agent), *[x.id for x in fresh])
             pipe.set(s.published_version(self.agent), record["version"])
             pipe.rpush(s.train_log(self.agent), json.dumps(record))
+            pipe.set(s.nonfinite_in_row(self.agent), 0)
             await pipe.execute()
 
     async def announce(self, rec: dict[str, Any]) -> None:
