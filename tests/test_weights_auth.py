@@ -14,9 +14,10 @@ from services.common.bus import Bus
 from services.common.weights_auth import SECRET_ENV, refusal, run_secret, sign, weights_checksum
 from services.contracts.codec import FIELD, decode
 from services.contracts.config import AgentConfig, parse_config
-from services.contracts.messages import Batch, Sample, WeightsUpdate
+from services.contracts.messages import Batch, DeadLetter, Sample, WeightsUpdate
 from services.rollout.engine_client import EngineClientError
 from services.rollout.fleet import EngineFleet
+from services.rollout.service import RolloutService
 from services.trainer.service import TrainerService
 from services.training.backends import make_policy
 
@@ -100,3 +101,36 @@ async def test_the_fleet_records_a_version_only_once_it_loaded(tiny_model_dir: P
         await fleet.load_weights(str(tiny_model_dir), 3)
     assert fleet.latest is None and fleet.engines[0].weight_version == 0
     await fleet.close()
+
+
+async def test_a_forged_update_on_the_stream_is_dead_lettered_with_its_reason(redis_url: str, tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """Through the bus, as the rollout consumes ``weights:A``: the forged update (issue 12's: version 999, the
+    start model) is dead-lettered at once with its reason, acknowledged, and no version is recorded as loaded."""
+    cfg = parse_config({"run": {"name": "wa", "checkpoint_root": str(tmp_path / "ck"), "total_steps": 2},
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    bus = Bus(redis_url, "wa", "rollout-A")
+    s = bus.streams
+    rollout = RolloutService(cfg, "A", bus, "http://127.0.0.1:9")  # refused before any engine is asked
+    forged = WeightsUpdate(agent="A", version=999, path=str(tiny_model_dir),
+                           checksum=await asyncio.to_thread(weights_checksum, tiny_model_dir), signature="0" * 64)
+    await bus.publish(s.weights("A"), forged)
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(bus.consume(s.weights("A"), "rollout", "rollout-A", rollout.on_weights, stop))
+    letters: list[DeadLetter] = []
+    for _ in range(100):
+        letters = [decode(f[FIELD], DeadLetter) for _, f in await bus.redis.xrange(s.deadletter)]
+        if letters:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await consumer
+    (letter,) = letters
+    assert letter.source_stream == s.weights("A")
+    assert letter.reason.endswith("refused: bad signature (not signed with this run's secret)")
+    assert await bus.redis.get(s.loaded_version("A")) is None
+    (group,) = await bus.redis.xinfo_groups(s.weights("A"))
+    assert int(group["pending"]) == 0
+    await rollout.close()
+    await bus.close()
