@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
+from trainer_commit import commit_weights
 
 from services.common.bus import Bus
 from services.common.sglang_router import list_workers
@@ -32,7 +33,6 @@ from services.contracts.messages import (
     RolloutLoad,
     SamplingParams,
     WeightsLoaded,
-    WeightsUpdate,
 )
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
@@ -155,7 +155,7 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
             if sum(e["healthy"] for e in (await load()).get("engines", [])) == 2:
                 break
             await asyncio.sleep(0.2)
-        await bus.publish(s.weights("A"), WeightsUpdate(agent="A", version=1, path=str(v1), checksum="x"))
+        await bus.publish(s.weights("A"), await commit_weights(bus, "A", 1, v1))
         for _ in range(300):  # turns race the update on the engines: send them once version 1 is loaded
             if await _events(bus, "weights_loaded"):
                 break
@@ -189,8 +189,9 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
         assert {replies[r].engine for r in third} == {"A-0", "A-1"}  # traffic reaches it again
         assert (await load())["capacity"] == 8
         # an older version arriving late (a redelivered update) never rolls the engines back
+        signed = {v: await commit_weights(bus, "A", v, v1) for v in (2, 3)}
         for version in (3, 2):
-            await bus.publish(s.weights("A"), WeightsUpdate(agent="A", version=version, path=str(v1), checksum="x"))
+            await bus.publish(s.weights("A"), signed[version])
         for _ in range(300):
             groups = await bus.redis.xinfo_groups(s.weights("A"))
             if all(int(g.get("lag") or 0) == 0 and int(g.get("pending") or 0) == 0 for g in groups):
@@ -230,7 +231,8 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         await watcher
         bus = Bus(redis_url, "hung", "test")
         try:
-            w = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
+            await commit_weights(bus, "A", 1, tiny_model_dir)
+            w = await commit_weights(bus, "A", 2, tiny_model_dir)
             await bus.redis.set(bus.streams.loaded_weights("A"), w.model_dump_json())
             await resume_weights(bus, "A", fleet)
         finally:

@@ -13,12 +13,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from trainer_commit import commit_weights
 
 from services.buffer.service import BufferService
 from services.common.bus import Bus, Reject
 from services.common.embedded_redis import free_port
 from services.common.sglang_router import list_workers, router_command, wait_healthy
+from services.common.weights_auth import run_secret, sign
 from services.contracts.codec import FIELD, decode
 from services.contracts.config import TandemConfig, parse_config
 from services.contracts.messages import (
@@ -172,7 +175,8 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         with pytest.raises(Reject, match="reply_stream 'tandem:other:replies:c'.*not a stream of run 't'"):
             await rollout.on_turn(req.model_copy(update={"reply_stream": "tandem:other:replies:c"}))
 
-        v2 = WeightsUpdate(agent="A", version=2, path=str(tiny_model_dir), checksum="x")
+        await commit_weights(bus, "A", 1, tiny_model_dir)
+        v2 = await commit_weights(bus, "A", 2, tiny_model_dir)
         await rollout.on_weights(v2)
         assert int(await bus.redis.get(s.loaded_version("A"))) == 2
         assert WeightsUpdate.model_validate_json(await bus.redis.get(s.loaded_weights("A"))) == v2
@@ -188,6 +192,48 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         assert load.report() == {"queue_depth": 0, "inflight": 0, "capacity": rollout.concurrency, "waiting": 0,
                                  "router": router_url,
                                  "engines": [{"url": engine_url, "healthy": True}]}
+    finally:
+        await rollout.close()
+        await bus.close()
+
+
+async def test_rollout_loads_only_authentic_weights(redis_url: str, tiny_model_dir: Path, tmp_path: Path,
+                                                    router: tuple[str, str]) -> None:
+    """A forged (unsigned, wrongly signed, uncommitted) or corrupt update is rejected with its reason and the
+    engine keeps the weights it had; the committed, signed version is loaded."""
+    router_url, engine_url = router
+    cfg = config(tmp_path, tiny_model_dir)
+    bus = Bus(redis_url, "t", "rollout-A")
+    s = bus.streams
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model_dir, v1)
+    rollout = await RolloutService.start(cfg, "A", bus, router_url)
+    async with httpx.AsyncClient(timeout=5) as http:
+        before = (await http.get(f"{engine_url}/get_model_info")).json()["weight_version"]  # the engine's, as is
+    try:
+        good = await commit_weights(bus, "A", 1, v1)
+        start = {"version": 999, "path": str(tiny_model_dir)}  # the forged update of issue 12: the start model
+        forged = {"not signed": good.model_copy(update={**start, "signature": ""}),
+                  "bad signature": good.model_copy(update=start),
+                  "version 2 is not one the trainer of 'A' committed": WeightsUpdate(  # signed, never committed
+                      agent="A", version=2, path=good.path, checksum=good.checksum,
+                      signature=sign(await run_secret(bus.redis, s), "A", 2, good.path, good.checksum))}
+        for reason, w in forged.items():
+            with pytest.raises(Reject, match=f"weights version {w.version} at .* refused: {reason}"):
+                await rollout.on_weights(w)
+        cfg_file = v1 / "config.json"
+        original = cfg_file.read_bytes()
+        cfg_file.write_bytes(original + b" ")  # corrupt after the commit
+        with pytest.raises(Reject, match="do not match the checksum"):
+            await rollout.on_weights(good)
+        assert await bus.redis.get(s.loaded_version("A")) is None
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{engine_url}/get_model_info")).json()["weight_version"] == before != "1"
+        cfg_file.write_bytes(original)
+        await rollout.on_weights(good)
+        assert int(await bus.redis.get(s.loaded_version("A"))) == 1
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{engine_url}/get_model_info")).json()["weight_version"] == "1"
     finally:
         await rollout.close()
         await bus.close()

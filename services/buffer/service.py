@@ -3,6 +3,10 @@
 A stored sample that completes its group gets the group's verdict (``group_done``); every batch
 that can then be formed is released to ``batches:{agent}`` (``batch_released``), and groups found
 stale at release are reported dropped.
+
+A sample whose token ids fall outside the agent's vocabulary (its model's ``config.json``) is rejected
+alone (``Reject``: dead-lettered with the reason); its group is abandoned at once and reported, so the
+coordinator replaces it without waiting for the group timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 
 from services.buffer.store import GroupVerdict, SampleStore
 from services.common.bus import Bus, Reject
+from services.common.tokens import ids_problem, vocab_size
 from services.contracts.config import TandemConfig
 from services.contracts.messages import BatchReleased, GroupDone, Sample
 
@@ -30,14 +35,26 @@ class BufferService:
         self.store = SampleStore(bus, agent, acfg.groups_per_batch, acfg.max_staleness, acfg.filter_zero_variance,
                                  max_batches=cfg.run.total_steps)
         self.group_timeout_s = cfg.run.group_timeout_s
+        self.vocab = vocab_size(acfg.model_path)
 
     async def on_sample(self, sample: Sample) -> None:
         if sample.agent != self.agent:
             raise Reject(f"sample of agent {sample.agent!r} reached the buffer of {self.agent!r}")
+        problem = ids_problem(sample.tokens, self.vocab, "tokens")
+        if problem is not None:
+            await self.reject(sample, problem)
         verdict = await self.store.add(sample)
         if verdict is not None:
             await self.report(verdict)
             await self.release()
+
+    async def reject(self, sample: Sample, problem: str) -> None:
+        """Abandon the sample's group now (reported once), then raise ``Reject`` for the sample alone."""
+        verdict = await self.store.abandon(sample.group_id, f"dead-lettered sample: {problem}")
+        if verdict is not None:
+            self.log.warning("group %s abandoned: %s", verdict.group_id, verdict.reason)
+            await self.report(verdict)
+        raise Reject(f"sample {sample.id} of group {sample.group_id}: {problem}")
 
     async def release(self) -> None:
         batches, dropped = await self.store.release()

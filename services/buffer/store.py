@@ -74,7 +74,7 @@ class SampleStore:
         self.k_ready = s.buffer_ready(agent)
         self.k_verdicts = s.buffer_verdicts(agent)
         self.k_pending = s.groups_pending(agent)
-        self.k_released = s.key(f"buffer:{agent}:released")
+        self.k_released = s.batches_released(agent)
         self._decide = bus.redis.register_script(DECIDE)
         self.lock = asyncio.Lock()  # a sample's store-and-decide and the timeout sweep never interleave
 
@@ -155,6 +155,16 @@ class SampleStore:
                 if verdict.outcome == "abandoned" and verdict.reason == reason:
                     out.append(verdict)
         return out
+
+    async def abandon(self, group_id: str, reason: str) -> GroupVerdict | None:
+        """Abandon an emitted group at once (a member was rejected): its stored samples are removed, samples
+        still to come are not stored (the verdict is on record). Returns the verdict when this call made it;
+        None for a group the coordinator never emitted or one already decided."""
+        async with self.lock:
+            if await self.bus.redis.zscore(self.k_pending, group_id) is None:
+                return None
+            verdict = await self.decide(group_id, "abandoned", reason, await self.group_samples(group_id))
+        return verdict if verdict.outcome == "abandoned" and verdict.reason == reason else None
 
     async def samples_waiting(self) -> bool:
         """Entries of ``samples:{agent}`` the buffer's consumer group has not acknowledged yet."""

@@ -39,6 +39,8 @@ HANDLED_SECONDS = Histogram("tandem_bus_handled_seconds", "Entries this process 
                             "took, from decoding to the ack; outcome 'error' when handling itself raised",
                             ["stream", "group", "outcome"],
                             buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 15, 60, 300, math.inf))
+SKIPPED_STEPS = Counter("tandem_trainer_skipped_steps", "Training steps this trainer skipped: a non-finite loss, "
+                        "gradient or weight (nothing was published for them)", ["agent"])
 
 
 def count_dead_letter(stream: str) -> None:

@@ -142,6 +142,8 @@ class AgentConfig(Strict):
     seed: int = 0
     megatron: MegatronLayout = Field(default_factory=MegatronLayout)
     train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
+    max_nonfinite_steps: int = Field(3, ge=1, description="the trainer stops after this many training steps in a "
+                                     "row skipped for a non-finite loss, gradient or weight")
 
     @field_validator("sampling", mode="before")
     @classmethod

@@ -72,7 +72,7 @@ FLOWS: dict[str, Flow] = {f.name: f for f in (
 
 EVENT_PRODUCERS: dict[str, tuple[str, ...]] = {  # the event kinds each producer of ``events`` sends
     "rollout": ("weights_loaded", "rollout_load"),
-    "trainer": ("train_step",),
+    "trainer": ("train_step", "train_step_skipped"),
     "buffer": ("group_done", "batch_released"),
 }
 

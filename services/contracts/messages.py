@@ -4,6 +4,11 @@ Each message carries a schema version, a unique id and its creation time.
 Unknown fields are rejected, so a producer on another schema is caught at the
 consumer and dead-lettered rather than half-understood.
 
+Every wire model is strict (``strict=True``: no lax coercion, a ``"1.0"`` is not a float, a ``True``
+not an int); token ids are non-negative (``TokenId``) and logprobs finite and ≤ 0 (``Logprob``).
+Whether an id is within the agent's vocabulary depends on its model: the buffer and the rollout
+check that (``services.common.tokens``).
+
 Schema 2: events are a discriminated union on ``kind`` (one model per kind, typed fields in place
 of a ``data`` dict); the never-sent event kinds ``health`` and ``error`` and the never-sent
 control command ``eval`` are gone.
@@ -20,12 +25,18 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 SCHEMA_VERSION = 2
 
 
+TokenId = Annotated[int, Field(ge=0)]
+"""A token id: non-negative (the upper bound, the vocabulary size, is the model's)."""
+Logprob = Annotated[FiniteFloat, Field(le=0.0)]
+"""A log-probability: finite and at most 0."""
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     schema_version: Literal[2] = SCHEMA_VERSION
     id: str = Field(default_factory=new_id, min_length=1)
@@ -35,13 +46,13 @@ class Message(BaseModel):
 class SamplingParams(BaseModel):
     """Subset of SGLang's sampling_params that Tandem sets (same field names)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=2**31 - 1)
     max_new_tokens: int = Field(16, ge=1, le=2**20)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
@@ -53,7 +64,7 @@ class GenerateRequest(Message):
     group_id: str
     turn: int = Field(ge=0)
     role: str
-    input_ids: list[int] = Field(min_length=1)
+    input_ids: list[TokenId] = Field(min_length=1)
     sampling: SamplingParams
     reply_stream: str
     purpose: Literal["train", "eval"] = "train"
@@ -69,8 +80,8 @@ class GenerateReply(Message):
     agent: str
     episode_id: str
     turn: int
-    output_ids: list[int]
-    output_logprobs: list[float]
+    output_ids: list[TokenId]
+    output_logprobs: list[Logprob]
     finish_reason: FinishReason
     weight_version: int
     engine: str
@@ -97,9 +108,9 @@ class Sample(Message):
     episode_id: str
     group_id: str
     group_size: int = Field(ge=1)
-    tokens: list[int] = Field(min_length=1)
+    tokens: list[TokenId] = Field(min_length=1)
     loss_mask: list[int]
-    rollout_logprobs: list[float]
+    rollout_logprobs: list[Logprob]
     reward: FiniteFloat
     reward_terms: dict[str, FiniteFloat] = Field(default_factory=dict)
     turn_weight_versions: list[int] = Field(min_length=1)
@@ -134,12 +145,15 @@ class Batch(Message):
 
 
 class WeightsUpdate(Message):
-    """weights:{agent} — a new HF-format weight directory is ready."""
+    """weights:{agent} — a new HF-format weight directory is ready. ``checksum``: SHA-256 over the directory's
+    files; ``signature``: HMAC-SHA256 of (agent, version, path, checksum) with the run's secret (the rollout
+    refuses an update without a valid one: services.common.weights_auth)."""
 
     agent: str
     version: int = Field(ge=1)
     path: str
     checksum: str
+    signature: str = ""
 
 
 class EventBase(Message):
@@ -168,6 +182,20 @@ class TrainStep(EventBase):
     metrics: dict[str, float | int | str | None]
 
 
+class TrainStepSkipped(EventBase):
+    """trainer → the step on batch ``batch_id`` was skipped: its loss, a gradient or a weight was non-finite
+    (``reason``). No version was made; the weights are as they were; the samples are rejected (dead-lettered),
+    their groups dropped; ``consecutive`` counts skipped steps in a row (the trainer stops at the limit)."""
+
+    kind: Literal["train_step_skipped"] = "train_step_skipped"
+    batch_id: str
+    batch_step: int = Field(ge=1)
+    reason: str
+    sample_ids: list[str]
+    group_ids: list[str]
+    consecutive: int = Field(ge=1)
+
+
 GroupOutcome = Literal["kept", "dropped", "abandoned"]
 
 
@@ -193,7 +221,7 @@ class BatchReleased(EventBase):
 class EngineStatus(BaseModel):
     """One engine in a ``rollout_load`` report (fields the rollout does not know are left out)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     url: str
     healthy: bool
@@ -222,9 +250,11 @@ class RolloutLoad(EventBase):
                 "engines": [e.model_dump(exclude_none=True) for e in self.engines]}
 
 
-Event = Annotated[WeightsLoaded | TrainStep | GroupDone | BatchReleased | RolloutLoad, Field(discriminator="kind")]
+Event = Annotated[WeightsLoaded | TrainStep | TrainStepSkipped | GroupDone | BatchReleased | RolloutLoad,
+                  Field(discriminator="kind")]
 """Every event, told apart by ``kind``."""
-EVENT_TYPES: tuple[type[EventBase], ...] = (WeightsLoaded, TrainStep, GroupDone, BatchReleased, RolloutLoad)
+EVENT_TYPES: tuple[type[EventBase], ...] = (WeightsLoaded, TrainStep, TrainStepSkipped, GroupDone, BatchReleased,
+                                            RolloutLoad)
 
 
 class Control(Message):

@@ -79,11 +79,28 @@ class Streams:
         buffer removes a group when it records its verdict, and abandons one left past the group timeout."""
         return self.key(f"groups:{agent}:pending")
 
+    def batches_released(self, agent: str) -> str:
+        """Counter: batches the buffer released for the agent (the next batch trains towards this + 1); the
+        trainer counts a batch it skipped (non-finite step) back down, so the buffer releases one in its place."""
+        return self.key(f"buffer:{agent}:released")
+
+    def skipped_batches(self, agent: str) -> str:
+        """Hash: batch id -> JSON record of a training step the trainer skipped (non-finite), kept once."""
+        return self.key(f"trainer:{agent}:skipped_batches")
+
+    def nonfinite_in_row(self, agent: str) -> str:
+        """Counter: training steps skipped as non-finite since the last committed one (a restart keeps it)."""
+        return self.key(f"trainer:{agent}:nonfinite_in_row")
+
     def trained_samples(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:trained_samples")
 
     def train_log(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:log")
+
+    def weights_secret(self) -> str:
+        """The run's secret the trainers sign published weights with (HMAC-SHA256), made once per run."""
+        return self.key("state:weights_secret")
 
     def restarts(self) -> str:
         """Hash: service name -> times the local launcher restarted it in this run (``tandem up``)."""

@@ -127,6 +127,10 @@ class Coordinator:
         elif ev.kind == "train_step" and all(t.get("version") != ev.version for t in agent.train_steps):
             agent.train_steps.append({**finite(ev.metrics), "version": ev.version, "batch_step": ev.batch_step,
                                       "time": ev.created_at})  # once per version (re-sends)
+        elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
+            agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
+            for g in ev.group_ids:  # replaced by new groups; the buffer releases a batch in its place
+                agent.resolve_group(g, "dropped", f"non-finite training step: {ev.reason}")
         elif ev.kind == "rollout_load":
             agent.rollout = ev.report()
         elif ev.kind == "group_done":

@@ -30,6 +30,7 @@ class AgentState:
     kept_groups: int = 0
     dropped_groups: int = 0
     abandoned_groups: int = 0
+    skipped_steps: int = 0  # training steps the trainer skipped (non-finite)
     in_flight_groups: int = 0
     train_steps: list[dict[str, Any]] = field(default_factory=list)
     group_rewards: list[tuple[float, float]] = field(default_factory=list)  # (time, mean reward)
@@ -150,6 +151,7 @@ class RunState:
                 "eval_start": a.eval_start,
                 "eval_end": a.eval_end,
                 "max_staleness": a.max_staleness,
+                "skipped_steps": a.skipped_steps,
                 "rollout": a.rollout,
             }
         return {

@@ -112,9 +112,9 @@ class EngineFleet:
     async def load_weights(self, path: str, version: int) -> list[str]:
         """Load ``path`` as ``version`` on every registered engine; a restarting one gets it on rejoin."""
         async with self._lock:
-            self.latest = (path, version)
             live = [e for e in self.engines if e.registered]
             await asyncio.gather(*(self._client.update_weights(e.url, path, version) for e in live))
+            self.latest = (path, version)  # only once every live engine loaded it (a failure raised above)
             for e in live:
                 e.weight_version = version
             return [e.url for e in live]

@@ -7,8 +7,13 @@ loads weights on the workers that router lists.
 
 ``on_turn``: a generation request from ``turns:{agent}`` goes to the router (``/generate`` with
 input_ids, sampling_params, return_logprob), at most ``max_inflight_per_engine`` per healthy engine
-at a time, and the token-exact reply goes to the requester's reply stream. ``on_weights``: new
-weights from ``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published.
+at a time, and the token-exact reply goes to the requester's reply stream. A reply whose ids fall
+outside the agent's vocabulary or whose logprobs are not finite and <= 0 (a misbehaving engine) is not
+passed on: the requester gets an error reply and the turn is rejected with the reason. ``on_weights``: new
+weights from ``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published; only
+an authentic update is loaded (signed with the run's secret, a version the trainer committed, files that
+match its checksum: ``weights_auth.refusal``), anything else is rejected with the reason and the engines
+keep the weights they had.
 ``report_load``: every ``LOAD_EVERY_S`` the queue depth and per-engine load go to ``events`` as
 ``rollout_load``.
 """
@@ -24,6 +29,8 @@ import httpx
 
 from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
+from services.common.tokens import ids_problem, logprobs_problem, vocab_size
+from services.common.weights_auth import refusal, run_secret
 from services.contracts.config import TandemConfig
 from services.contracts.messages import (
     EngineStatus,
@@ -52,6 +59,7 @@ class RolloutService:
         self.client = EngineClient(router_url, timeout=120.0)
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * (fleet.healthy() if fleet else self.acfg.num_engines))
+        self.vocab = vocab_size(self.acfg.model_path)
 
     @classmethod
     async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None) -> RolloutService:
@@ -90,6 +98,10 @@ class RolloutService:
         except (ValueError, KeyError) as exc:
             raise Reject(f"reply_stream {req.reply_stream!r}: {exc}") from exc
         res = await self.generate(req)
+        problem = self.reply_problem(res)
+        if problem is not None:
+            await self.answer_error(req, f"engine {res.engine or self.router_url}: {problem}")
+            raise Reject(f"engine {res.engine or self.router_url} answered {req.id} wrongly: {problem}")
         await self.bus.publish(req.reply_stream, GenerateReply(
             request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
             output_ids=res.output_ids, output_logprobs=res.output_logprobs, finish_reason=res.finish_reason,
@@ -109,14 +121,24 @@ class RolloutService:
                 return res
             except EngineClientError as exc:
                 if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
-                    await self.bus.publish(req.reply_stream, GenerateReply(
-                        request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn,
-                        output_ids=[], output_logprobs=[], finish_reason="abort", weight_version=-1,
-                        engine=self.router_url, error=str(exc)))
+                    await self.answer_error(req, str(exc))
                     raise Reject(str(exc)) from exc
                 log.warning("generate failed (attempt %d): %s", attempt + 1, exc)
                 await asyncio.sleep(0.2 * 2 ** attempt)
         raise RetryLater("router unavailable")
+
+    def reply_problem(self, res: GenerateResult) -> str | None:
+        """Why the engine's reply is unusable (ids outside the vocabulary, logprobs not finite or > 0), or None."""
+        if len(res.output_ids) != len(res.output_logprobs):
+            return f"{len(res.output_ids)} output ids but {len(res.output_logprobs)} logprobs"
+        return (ids_problem(res.output_ids, self.vocab, "output_ids")
+                or logprobs_problem(res.output_logprobs, "output_logprobs"))
+
+    async def answer_error(self, req: GenerateRequest, error: str) -> None:
+        """Answer the requester with an error reply (no tokens), so its turn fails now rather than times out."""
+        await self.bus.publish(req.reply_stream, GenerateReply(
+            request_id=req.id, agent=self.agent, episode_id=req.episode_id, turn=req.turn, output_ids=[],
+            output_logprobs=[], finish_reason="abort", weight_version=-1, engine=self.router_url, error=error))
 
     async def on_weights(self, w: WeightsUpdate) -> None:
         agent, s = self.agent, self.bus.streams
@@ -126,6 +148,9 @@ class RolloutService:
         if loaded is not None and w.version < int(loaded):  # a redelivered old update never rolls engines back
             log.warning("version %d arrived after version %s was loaded: skipped", w.version, int(loaded))
             return
+        why = await refusal(self.bus.redis, s, await run_secret(self.bus.redis, s), w)
+        if why is not None:
+            raise Reject(f"weights version {w.version} at {w.path} refused: {why}")
         if self.fleet is not None:
             engines = await self.fleet.load_weights(w.path, w.version)
         else:
@@ -173,6 +198,10 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
         w = WeightsUpdate.model_validate_json(raw)
     except ValueError as exc:
         log.warning("cannot resume the loaded weights (%s): engines start on the base model", exc)
+        return
+    why = await refusal(bus.redis, bus.streams, await run_secret(bus.redis, bus.streams), w)
+    if why is not None:
+        log.warning("not resuming weights version %d (%s): engines start on the base model", w.version, why)
         return
     await fleet.load_weights(w.path, w.version)
     log.info("resumed on version %d", w.version)

@@ -42,11 +42,14 @@ async def main_async(config: str, agent: str) -> int:
         await bus.close()
         return 1
     log.info("trainer for %s (%s, %s) at version %d", agent, acfg.backend, acfg.algorithm.name, trainer.version)
-    stop = asyncio.Event()
+    stop = trainer.stop
     await run_service(f"trainer.{agent}", bus, stop,
                       bus.consume(bus.streams.batches(agent), "trainer", bus.service, trainer.on_batch, stop),
                       watch_control(bus, f"control-trainer-{agent}", stop, trainer.on_control))
     policy.close()  # releases the megatron follower ranks
+    if trainer.failed:
+        log.error("trainer for %s stopped: %s", agent, trainer.failed)
+        return 1
     return 0
 
 

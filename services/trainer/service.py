@@ -10,8 +10,18 @@ Resume (``resume``): the Redis commit is the point of no return. On start the tr
 the state of the published version (the latest committed one) and deletes any newer,
 uncommitted state; a batch that was trained but not committed before a crash is redelivered
 (never acknowledged) and trained again from the committed state, so no sample is trained on
-twice. ``TANDEM_TRAINER_FAILPOINT=stage:version`` (stage: after_train, after_state,
-after_commit) kills the process with SIGKILL at that point — the resume test's crash injection.
+twice.
+
+A non-finite step (``NonFiniteStep``: loss, gradient or weight) rolls back to the committed state
+the same way, but is not retried: ``skip`` records it once in Redis (the batch id, its samples; the
+buffer's released count goes back down by one and the batch's groups are marked dropped, in one
+script, so the buffer releases a batch in its place and the run does not hang), publishes a
+``train_step_skipped`` event and raises ``Reject``, which dead-letters the batch (naming its
+samples) and acknowledges it. After ``agents.X.max_nonfinite_steps`` skipped steps in a row the
+trainer stops (``failed`` says why; ``main`` exits 1).
+
+``TANDEM_TRAINER_FAILPOINT=stage:version`` (stage: after_train, after_state, after_commit) kills
+the process with SIGKILL at that point — the resume test's crash injection.
 """
 
 from __future__ import annotations
@@ -26,11 +36,25 @@ from pathlib import Path
 from typing import Any
 
 from services.common.bus import Bus, Reject
+from services.common.metrics import SKIPPED_STEPS
+from services.common.weights_auth import run_secret, sign
 from services.contracts.config import TandemConfig
-from services.contracts.messages import Batch, Control, Sample, TrainStep, WeightsUpdate
+from services.contracts.messages import Batch, Control, Sample, TrainStep, TrainStepSkipped, WeightsUpdate
 from services.training.backends import Policy
+from services.training.step import NonFiniteStep
 
 KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
+
+# Record a skipped batch once: count the buffer's released batches back down, mark its groups dropped.
+# KEYS: skipped-batches hash, released counter, buffer verdicts, skips-in-a-row counter;
+# ARGV: batch id, record, verdict, skips in a row, group ids...
+SKIP = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
+redis.call('SET', KEYS[4], ARGV[4])
+for i = 5, #ARGV do redis.call('HSET', KEYS[3], ARGV[i], ARGV[3]) end
+return 1
+"""
 
 
 def failpoint(stage: str, version: int) -> None:
@@ -63,6 +87,12 @@ class TrainerService:
         self.state_root = self.ckpt_dir / "state"
         self.version = 0
         self.busy = asyncio.Lock()  # one policy operation at a time (a step, or a checkpoint command)
+        self.max_nonfinite = cfg.agents[agent].max_nonfinite_steps
+        self.nonfinite_in_row = 0
+        self.failed: str | None = None  # why the trainer stopped itself
+        self.stop = asyncio.Event()  # set by a stop command, or when the trainer stops itself
+        self._skip = bus.redis.register_script(SKIP)
+        self.secret = b""  # the run's weights-signing secret (``resume`` reads it)
 
     def state_dir(self, version: int) -> Path:
         return self.state_root / f"v{version:05d}"
@@ -71,6 +101,12 @@ class TrainerService:
         """Start from the published version's training state (or save version 0's, what a failed step rolls
         back to). Raises RuntimeError when the published version's state is missing."""
         s = self.bus.streams
+        self.secret = await run_secret(self.bus.redis, s)
+        self.nonfinite_in_row = int(await self.bus.redis.get(s.nonfinite_in_row(self.agent)) or 0)
+        if self.nonfinite_in_row >= self.max_nonfinite:
+            raise RuntimeError(f"the trainer stopped after {self.nonfinite_in_row} non-finite training steps in a row "
+                               f"(agents.{self.agent}.max_nonfinite_steps = {self.max_nonfinite}); "
+                               f"see train_step_skipped events and the dead-letter stream")
         self.version = int(await self.bus.redis.get(s.published_version(self.agent)) or 0)
         await asyncio.to_thread(tidy_states, self.state_root, self.version)
         if self.version:
@@ -89,6 +125,9 @@ class TrainerService:
         if wrong:
             raise Reject(f"batch for agent {batch.agent!r} holds samples of {sorted(set(wrong))}; "
                              f"this trainer trains {agent!r}")
+        skipped = await self.bus.redis.hget(s.skipped_batches(agent), batch.id)
+        if skipped is not None:  # a redelivery of a skipped batch: re-announce the skip, dead-letter it
+            await self.reject_skipped(json.loads(skipped))
         seen = await self.bus.redis.smismember(s.trained_samples(agent), [x.id for x in batch.samples])
         fresh = [x for x, done in zip(batch.samples, seen, strict=True) if not done]
         if not fresh:  # a redelivery: re-announce the version it produced (a crash may have lost it)
@@ -118,22 +157,55 @@ class TrainerService:
             failpoint("after_state", new_version)
             record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
                       "path": str(path.resolve()), "checksum": checksum,
+                      "signature": sign(self.secret, self.agent, new_version, str(path.resolve()), checksum),
                       "engines": sorted({e for x in fresh for e in x.engines}),
                       "min_weight_version": min(x.min_weight_version for x in fresh),
                       "metrics": {**metrics, "version": new_version, "batch_step": batch.step}}
             await self.commit(fresh, record)
+        except NonFiniteStep as exc:
+            self.log.warning("step %d is non-finite (%s); rolling back to version %d", new_version, exc, self.version)
+            await asyncio.to_thread(self.policy.load_state, self.state_dir(self.version))
+            await self.skip(batch, fresh, str(exc))
         except BaseException:
             self.log.warning("step %d failed before its commit; rolling back to version %d", new_version,
                              self.version)
             await asyncio.to_thread(self.policy.load_state, self.state_dir(self.version))
             raise
         self.version = new_version
+        self.nonfinite_in_row = 0
         failpoint("after_commit", new_version)
         await asyncio.to_thread(tidy_states, self.state_root, new_version)
         await self.announce(record)
         self.log.info("step %d: reward %.3f loss %.4f clip %.3f (%d samples, %.2fs)", new_version,
                       metrics["reward_mean"], metrics.get("loss", 0.0), metrics["clip_frac"], len(fresh),
                       metrics["train_seconds"])
+
+    async def skip(self, batch: Batch, fresh: list[Sample], reason: str) -> None:
+        """Record a non-finite step once, report it, stop at the limit; raise ``Reject`` (dead-letter + ack)."""
+        s = self.bus.streams
+        self.nonfinite_in_row += 1
+        SKIPPED_STEPS.labels(agent=self.agent).inc()
+        groups = sorted({x.group_id for x in fresh})
+        rec = {"batch_id": batch.id, "batch_step": batch.step, "reason": reason, "sample_ids": [x.id for x in fresh],
+               "group_ids": groups, "consecutive": self.nonfinite_in_row, "version": self.version}
+        keys = [s.skipped_batches(self.agent), s.batches_released(self.agent), s.buffer_verdicts(self.agent),
+                s.nonfinite_in_row(self.agent)]
+        await self._skip(keys=keys, args=[batch.id, json.dumps(rec), "dropped:non-finite training step",
+                                          self.nonfinite_in_row, *groups])
+        if self.nonfinite_in_row >= self.max_nonfinite:
+            self.failed = (f"{self.nonfinite_in_row} training steps in a row were non-finite "
+                           f"(agents.{self.agent}.max_nonfinite_steps = {self.max_nonfinite}); last: {reason}")
+            self.log.error("stopping: %s", self.failed)
+            self.stop.set()
+        await self.reject_skipped(rec)
+
+    async def reject_skipped(self, rec: dict[str, Any]) -> None:
+        await self.bus.publish(self.bus.streams.events, TrainStepSkipped(
+            source=self.bus.service, agent=self.agent, batch_id=rec["batch_id"], batch_step=rec["batch_step"],
+            reason=rec["reason"], sample_ids=rec["sample_ids"], group_ids=rec["group_ids"],
+            consecutive=rec["consecutive"]))
+        raise Reject(f"training step skipped, nothing published ({rec['reason']}); the weights stay at version "
+                     f"{rec['version']}; rejected samples: {', '.join(rec['sample_ids'])}")
 
     async def commit(self, fresh: list[Sample], record: dict[str, Any]) -> None:
         """The point of no return: what was trained, the published version and the log, in one transaction."""
@@ -142,13 +214,16 @@ class TrainerService:
             pipe.sadd(s.trained_samples(self.agent), *[x.id for x in fresh])
             pipe.set(s.published_version(self.agent), record["version"])
             pipe.rpush(s.train_log(self.agent), json.dumps(record))
+            pipe.set(s.nonfinite_in_row(self.agent), 0)
             await pipe.execute()
 
     async def announce(self, rec: dict[str, Any]) -> None:
         """Publish a committed version: its weights, then its train_step event (kept once per version)."""
         s = self.bus.streams
-        await self.bus.publish(s.weights(self.agent), WeightsUpdate(agent=self.agent, version=rec["version"],
-                                                                    path=rec["path"], checksum=rec["checksum"]))
+        await self.bus.publish(s.weights(self.agent), WeightsUpdate(
+            agent=self.agent, version=rec["version"], path=rec["path"], checksum=rec["checksum"],
+            signature=rec.get("signature") or sign(self.secret, self.agent, rec["version"], rec["path"],
+                                                    rec["checksum"])))
         if "metrics" in rec:
             metrics = {k: v for k, v in rec["metrics"].items() if k not in ("version", "batch_step")}
             await self.bus.publish(s.events, TrainStep(source=self.bus.service, agent=self.agent,

@@ -5,10 +5,15 @@ no-grad proximal and reference logprobs the algorithm asks for, then per epoch a
 zero the grads, forward + loss + backward (``backward``), clip (``clip_grads``), step the
 optimizer and the LR scheduler; it counts the version up and returns the ``train_step``
 metrics. A backend supplies the model-specific parts as the hooks below.
+
+A step whose loss, gradient norm or updated weights are non-finite raises ``NonFiniteStep`` before
+the version is counted up; the optimizer may have stepped on earlier minibatches, so the caller
+restores the last committed training state (the trainer service does) and publishes nothing.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -20,6 +25,20 @@ from services.contracts.messages import Sample
 from services.training.algorithms import Algorithm, Stats, StepPlan, step_metrics
 
 Tensors = dict[str, torch.Tensor]
+
+
+class NonFiniteStep(Exception):
+    """The step produced a non-finite loss, gradient or weight; the message says which and where."""
+
+
+def check_finite(stats: Stats, grad_norm: float, where: str) -> None:
+    """Raise ``NonFiniteStep`` when the loss stats or the gradient norm (non-finite iff a gradient is) are."""
+    bad = sorted(k for k, v in stats.items()
+                 if (k == "loss" or k.endswith("_loss")) and isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        raise NonFiniteStep(f"non-finite {', '.join(bad)} at {where}")
+    if not math.isfinite(grad_norm):
+        raise NonFiniteStep(f"non-finite gradient (norm {grad_norm}) at {where}")
 
 
 def pad_batch(samples: list[Sample], pad_id: int) -> Tensors:
@@ -68,6 +87,11 @@ class TrainingStep(ABC):
     def clip_grads(self) -> float:
         """Clip the gradients to ``cfg.max_grad_norm``; return the norm before clipping."""
 
+    def weights_finite(self) -> bool:
+        """Whether every trainable weight is finite (after an optimizer step)."""
+        params = getattr(self, "trainable", None) or [p for g in self.optimizer.param_groups for p in g["params"]]
+        return all(bool(torch.isfinite(p).all()) for p in params)
+
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         start = time.perf_counter()
         plan = self.algo.prepare(samples, self.version)
@@ -79,14 +103,17 @@ class TrainingStep(ABC):
             ref = [self.old_logprobs(b, reference=True) for b in batches] if self.algo.needs_reference else none
         parts: list[Stats] = []
         grad_norms: list[float] = []
-        for _ in range(self.cfg.epochs if batches else 0):
+        for epoch in range(self.cfg.epochs if batches else 0):
             for k, r in enumerate(rows):
                 self.optimizer.zero_grad(set_to_none=True)
                 stats = self.backward(batches[k], plan, r, prox[k], ref[k])
                 grad_norms.append(self.clip_grads())
+                check_finite(stats, grad_norms[-1], f"epoch {epoch} minibatch {k}")
                 self.optimizer.step()
                 self.scheduler.step()
                 parts.append(stats)
+        if not self.weights_finite():
+            raise NonFiniteStep("non-finite weights after the optimizer step")
         self.version += 1
         return step_metrics(parts, samples, plan, self.cfg, self.backend, self.scheduler.get_last_lr()[0],
                             grad_norms, time.perf_counter() - start)

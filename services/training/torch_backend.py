@@ -10,7 +10,6 @@ saves / restores the full training state for resume.
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import os
 import random
@@ -21,23 +20,16 @@ from types import ModuleType
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.schedule import lr_factor
 from services.training.step import Tensors, TrainingStep, pad_batch
 
-__all__ = ["TorchPolicy", "file_checksum", "pad_batch", "replace_dir"]
+__all__ = ["TorchPolicy", "pad_batch", "replace_dir"]
 
 STATE_FILE = "trainer_state.pt"
-
-
-def file_checksum(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def lora() -> ModuleType:
@@ -127,7 +119,7 @@ class TorchPolicy(TrainingStep):
         model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out_dir)
-        return out_dir, file_checksum(out_dir / "model.safetensors")
+        return out_dir, weights_checksum(out_dir)
 
     # -- full training state for resume --------------------------------------------------
     def save_state(self, path: Path, version: int) -> Path:

@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, get_cuda_rng_tracker
 from transformers import AutoConfig, AutoTokenizer
 
+from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
 from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
@@ -44,7 +45,7 @@ from services.training.megatron.weights import (
 )
 from services.training.schedule import lr_factor
 from services.training.step import Tensors, TrainingStep
-from services.training.torch_backend import file_checksum, replace_dir
+from services.training.torch_backend import replace_dir
 
 STATE_FILE = "megatron_rank{tp}_{pp}.pt"
 
@@ -268,7 +269,7 @@ class MegatronPolicy(TrainingStep):
             shutil.rmtree(tmp)
         write_hf_dir(tmp, tensors, self.hf_config, self.tokenizer, Path(self.acfg.model_path))
         replace_dir(tmp, out_dir)
-        return out_dir, file_checksum(out_dir / "model.safetensors")
+        return out_dir, weights_checksum(out_dir)
 
     # -- full training state for resume --------------------------------------------------
     def _state_file(self, path: Path) -> Path:

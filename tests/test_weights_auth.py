@@ -1,0 +1,136 @@
+"""Authenticated weights (real Redis, the real torch trainer on the tiny model): the checksum covers every file
+of a version, the trainer signs what it publishes with the run's secret, ``refusal`` accepts exactly that and
+refuses forged, uncommitted and corrupt updates; the fleet records a version only once it loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services.common.bus import Bus
+from services.common.weights_auth import SECRET_ENV, refusal, run_secret, sign, weights_checksum
+from services.contracts.codec import FIELD, decode
+from services.contracts.config import AgentConfig, parse_config
+from services.contracts.messages import Batch, DeadLetter, Sample, WeightsUpdate
+from services.rollout.engine_client import EngineClientError
+from services.rollout.fleet import EngineFleet
+from services.rollout.service import RolloutService
+from services.trainer.service import TrainerService
+from services.training.backends import make_policy
+
+
+def sample(group: str, reward: float) -> Sample:
+    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=[5, 6, 7, 40, 41],
+                  loss_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, 0.0, -3.0, -3.0], reward=reward,
+                  turn_weight_versions=[0])
+
+
+def corrupt(directory: Path) -> None:
+    """Flip the last byte of the version's first weights file."""
+    shard = sorted(directory.glob("*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+
+
+def test_the_checksum_covers_every_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, copy)
+    base = weights_checksum(copy)
+    assert base == weights_checksum(tiny_model_dir) and len(base) == 64
+    (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
+    assert weights_checksum(copy) != base
+    shutil.copy(tiny_model_dir / "config.json", copy / "config.json")
+    assert weights_checksum(copy) == base
+    (copy / "extra.safetensors").write_bytes(b"")
+    assert weights_checksum(copy) != base
+    with pytest.raises(FileNotFoundError):
+        weights_checksum(tmp_path / "missing")
+
+
+async def test_the_run_secret_is_made_once_or_taken_from_the_env(redis_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    bus = Bus(redis_url, "wa", "test")
+    first = await run_secret(bus.redis, bus.streams)
+    assert len(first) == 64 and await run_secret(bus.redis, bus.streams) == first
+    assert await bus.redis.get(bus.streams.weights_secret()) == first
+    assert bus.streams.weights_secret() == "tandem:wa:state:weights_secret"
+    monkeypatch.setenv(SECRET_ENV, "from-the-env")
+    assert await run_secret(bus.redis, bus.streams) == b"from-the-env"
+    await bus.close()
+
+
+async def test_the_trainer_signs_what_it_publishes_and_only_that_passes(redis_url: str, tiny_model_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    cfg = parse_config({"run": {"name": "wa", "checkpoint_root": str(tmp_path / "ck"), "total_steps": 2},
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    bus = Bus(redis_url, "wa", "trainer-A")
+    s = bus.streams
+    trainer = TrainerService(cfg, "A", bus, await asyncio.to_thread(make_policy, cfg.agents["A"], 1.0))
+    await trainer.resume()
+    await trainer.on_batch(Batch(agent="A", step=1, samples=[sample("g", 1.0), sample("g", 0.0)]))
+    (w,) = [decode(f[FIELD], WeightsUpdate) for _, f in await bus.redis.xrange(s.weights("A"))]
+    secret = await run_secret(bus.redis, s)
+    assert w.checksum == weights_checksum(w.path)
+    assert w.signature == sign(secret, "A", 1, w.path, w.checksum)
+    assert await refusal(bus.redis, s, secret, w) is None
+
+    forged = "bad signature (not signed with this run's secret)"
+    assert await refusal(bus.redis, s, b"another run's secret", w) == forged
+    replay = w.model_copy(update={"version": 999, "path": str(tiny_model_dir),
+                                  "checksum": weights_checksum(tiny_model_dir)})
+    assert await refusal(bus.redis, s, secret, replay) == forged
+    resigned = replay.model_copy(update={"signature": sign(secret, "A", 999, replay.path, replay.checksum)})
+    assert await refusal(bus.redis, s, secret, resigned) == "version 999 is not one the trainer of 'A' committed"
+    other_path = w.model_copy(update={"path": str(tiny_model_dir),
+                                      "signature": sign(secret, "A", 1, str(tiny_model_dir), w.checksum)})
+    assert "differs from the trainer's commit" in (await refusal(bus.redis, s, secret, other_path) or "")
+    await asyncio.to_thread(corrupt, Path(w.path))
+    assert "do not match the checksum" in (await refusal(bus.redis, s, secret, w) or "")
+    await bus.close()
+
+
+async def test_the_fleet_records_a_version_only_once_it_loaded(tiny_model_dir: Path) -> None:
+    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=1), health_timeout=2.0)
+    fleet.engines[0].registered = True  # registered, but nothing listens on its port: the load fails
+    with pytest.raises(EngineClientError):
+        await fleet.load_weights(str(tiny_model_dir), 3)
+    assert fleet.latest is None and fleet.engines[0].weight_version == 0
+    await fleet.close()
+
+
+async def test_a_forged_update_on_the_stream_is_dead_lettered_with_its_reason(redis_url: str, tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """Through the bus, as the rollout consumes ``weights:A``: the forged update (issue 12's: version 999, the
+    start model) is dead-lettered at once with its reason, acknowledged, and no version is recorded as loaded."""
+    cfg = parse_config({"run": {"name": "wa", "checkpoint_root": str(tmp_path / "ck"), "total_steps": 2},
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    bus = Bus(redis_url, "wa", "rollout-A")
+    s = bus.streams
+    rollout = RolloutService(cfg, "A", bus, "http://127.0.0.1:9")  # refused before any engine is asked
+    forged = WeightsUpdate(agent="A", version=999, path=str(tiny_model_dir),
+                           checksum=await asyncio.to_thread(weights_checksum, tiny_model_dir), signature="0" * 64)
+    await bus.publish(s.weights("A"), forged)
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(bus.consume(s.weights("A"), "rollout", "rollout-A", rollout.on_weights, stop))
+    letters: list[DeadLetter] = []
+    for _ in range(100):
+        letters = [decode(f[FIELD], DeadLetter) for _, f in await bus.redis.xrange(s.deadletter)]
+        if letters:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await consumer
+    (letter,) = letters
+    assert letter.source_stream == s.weights("A")
+    assert letter.reason.endswith("refused: bad signature (not signed with this run's secret)")
+    assert await bus.redis.get(s.loaded_version("A")) is None
+    (group,) = await bus.redis.xinfo_groups(s.weights("A"))
+    assert int(group["pending"]) == 0
+    await rollout.close()
+    await bus.close()

@@ -1,0 +1,142 @@
+"""Well-formed but wrong input at the trust boundaries (real Redis, the real tiny model's config):
+strict wire types, non-negative ids and finite logprobs <= 0 at the contract; ids outside the agent's
+vocabulary rejected alone at the buffer (the group abandoned at once); an engine's bad reply never
+passed on by the rollout (an SGLang-shaped server that misbehaves stands in for the GPU server)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+from pydantic import ValidationError
+
+from services.buffer.service import BufferService
+from services.common.bus import Bus, Reject
+from services.common.tokens import ids_problem, logprobs_problem, vocab_size
+from services.contracts.codec import FIELD, decode
+from services.contracts.config import TandemConfig, parse_config
+from services.contracts.messages import (
+    Event,
+    GenerateReply,
+    GenerateRequest,
+    Sample,
+    SamplingParams,
+)
+from services.rollout.engine_client import EngineClient
+from services.rollout.service import RolloutService
+
+GOOD: dict[str, Any] = {"agent": "A", "role": "X", "episode_id": "e", "group_id": "g", "group_size": 2,
+                        "tokens": [5, 6, 40], "loss_mask": [0, 1, 1], "rollout_logprobs": [0.0, -1.0, -0.5],
+                        "reward": 1.0, "turn_weight_versions": [0]}
+
+
+def config(tmp_path: Path, model: Path) -> TandemConfig:
+    return parse_config({"run": {"name": "wv", "checkpoint_root": str(tmp_path / "ck"), "total_steps": 2},
+                         "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                         "agents": {"A": {"model_path": str(model), "groups_per_batch": 1}}})
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.5])
+def test_sample_and_reply_logprobs_must_be_finite_and_at_most_zero(bad: float) -> None:
+    with pytest.raises(ValidationError, match="rollout_logprobs"):
+        Sample(**{**GOOD, "rollout_logprobs": [0.0, bad, -0.5]})
+    with pytest.raises(ValidationError, match="output_logprobs"):
+        GenerateReply(request_id="r", agent="A", episode_id="e", turn=0, output_ids=[1], output_logprobs=[bad],
+                      finish_reason="stop", weight_version=0, engine="x")
+
+
+def test_token_ids_are_non_negative_and_wire_types_strict() -> None:
+    for field, value in (("tokens", [5, -5, 40]), ("tokens", [5, True, 40]), ("reward", "1.0"),
+                         ("group_size", 2.0), ("turn_weight_versions", ["0"])):
+        with pytest.raises(ValidationError, match=field):
+            Sample(**{**GOOD, field: value})
+    with pytest.raises(ValidationError, match="input_ids"):
+        GenerateRequest(agent="A", episode_id="e", group_id="g", turn=0, role="X", input_ids=[-1],
+                        sampling=SamplingParams(), reply_stream="r")
+    with pytest.raises(ValidationError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-2])
+    raw = msgpack.packb({**Sample(**GOOD).model_dump(), "reward": "1.0"}, use_bin_type=True)
+    with pytest.raises(ValidationError, match="reward"):  # what a consumer decodes is strict too
+        decode(raw, Sample)
+    assert decode(msgpack.packb(Sample(**GOOD).model_dump(), use_bin_type=True), Sample).tokens == [5, 6, 40]
+
+
+def test_token_checks_against_the_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    vocab = vocab_size(str(tiny_model_dir))
+    assert vocab == json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"] and vocab > 0
+    assert ids_problem([0, vocab - 1], vocab, "tokens") is None
+    assert ids_problem([3, vocab], vocab, "tokens") == (f"tokens[1] = {vocab} is not a token id of the agent's "
+                                                        f"vocabulary ([0, {vocab}))")
+    assert "tokens[0] = -5" in (ids_problem([-5], vocab, "tokens") or "")
+    assert logprobs_problem([0.0, -2.0], "lp") is None
+    assert logprobs_problem([-1.0, math.nan], "lp") == "lp[1] = nan is not a log-probability (finite, <= 0)"
+    assert vocab_size(str(tmp_path)) is None  # no config.json: only the contract's bound applies
+
+
+async def test_buffer_rejects_an_out_of_vocabulary_sample_alone_and_abandons_its_group(
+        redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = config(tmp_path, tiny_model_dir)
+    bus = Bus(redis_url, "wv", "buffer-A")
+    s = bus.streams
+    buffer = BufferService(cfg, "A", bus)
+    now = time.time()
+    await bus.redis.zadd(s.groups_pending("A"), {"g1": now, "g2": now})  # the coordinator emitted both
+    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g1"}))
+    bad = Sample(**{**GOOD, "group_id": "g1", "tokens": [5, 6, 10**6]})
+    with pytest.raises(Reject, match=f"sample {bad.id} of group g1: tokens\\[2\\] = 1000000 is not a token id"):
+        await buffer.on_sample(bad)
+    events = [e for _, f in await bus.redis.xrange(s.events) for e in [decode(f[FIELD], Event)]]
+    assert [(e.kind, e.group_id, e.outcome) for e in events] == [("group_done", "g1", "abandoned")]
+    assert events[0].reason.startswith("dead-lettered sample: tokens[2] = 1000000")
+    assert await bus.redis.zscore(s.groups_pending("A"), "g1") is None  # no timeout needed
+    assert await bus.redis.hlen(s.buffer_samples("A")) == 0  # the group's stored sample is gone
+    with pytest.raises(Reject):  # a redelivery: rejected again, reported once
+        await buffer.on_sample(bad)
+    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g1", "reward": 0.0}))  # late member: not stored
+    assert await bus.redis.hlen(s.buffer_samples("A")) == 0  # (the verdict on record is repeated, as always)
+    again = [decode(f[FIELD], Event) for _, f in await bus.redis.xrange(s.events)]
+    assert [(e.group_id, e.outcome, e.reason) for e in again] == [("g1", "abandoned", events[0].reason)] * 2
+    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g2"}))  # other groups go on
+    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g2", "reward": 0.0}))
+    assert await bus.redis.xlen(s.batches("A")) == 1
+    await bus.close()
+
+
+def engine_reply(output_ids: list[int], logprobs: list[float]) -> httpx.Response:
+    pairs = [[lp, t, None] for lp, t in zip(logprobs, output_ids, strict=True)]
+    meta = {"id": "r", "finish_reason": {"type": "stop"}, "prompt_tokens": 2, "completion_tokens": len(output_ids),
+            "weight_version": "0", "output_token_logprobs": pairs}
+    return httpx.Response(200, content=json.dumps({"text": "", "output_ids": output_ids, "meta_info": meta}))
+
+
+async def test_rollout_never_passes_on_a_bad_engine_reply(redis_url: str, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    cfg = config(tmp_path, tiny_model_dir)
+    bus = Bus(redis_url, "wv", "rollout-A")
+    svc = RolloutService(cfg, "A", bus, "http://engine")
+    vocab = svc.vocab
+    assert vocab is not None
+    answers = iter([engine_reply([3, vocab + 7], [-0.1, -0.2]), engine_reply([3, 4], [-0.1, math.nan]),
+                    engine_reply([3, 4], [-0.1, 0.3]), engine_reply([3, 4], [-0.1, -0.2])])
+    await svc.client.aclose()
+    svc.client = EngineClient("http://engine", transport=httpx.MockTransport(lambda _: next(answers)))
+    reply_stream = bus.streams.replies("coordinator")
+    reasons = [f"output_ids[1] = {vocab + 7}", "output_logprobs[1] = nan", "output_logprobs[1] = 0.3"]
+    for reason in reasons:
+        req = GenerateRequest(agent="A", episode_id="e", group_id="g", turn=0, role="X", input_ids=[1, 2],
+                              sampling=SamplingParams(), reply_stream=reply_stream)
+        with pytest.raises(Reject, match=f"answered {req.id} wrongly: " + reason.replace("[", "\\[")):
+            await svc.on_turn(req)
+    await svc.on_turn(req)  # a good reply goes on
+    replies = [decode(f[FIELD], GenerateReply) for _, f in await bus.redis.xrange(reply_stream)]
+    assert [r.error is not None for r in replies] == [True, True, True, False]
+    assert all(r.output_ids == [] for r in replies[:3]) and replies[3].output_ids == [3, 4]
+    assert all(reason in (r.error or "") for reason, r in zip(reasons, replies, strict=False))
+    await svc.close()
+    await bus.close()
