@@ -13,6 +13,7 @@ import contextlib
 import time
 from typing import Any
 
+from services.common.metrics import SERVICE_STARTS
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Event
 
@@ -53,7 +54,7 @@ async def consumers(redis: Any, streams: list[str], prefix: str = "") -> dict[st
 
 
 async def recent_events(redis: Any, stream: str, count: int = EVENTS_SCANNED) -> dict[str, dict[str, Any]]:
-    """Per event source, its last event (kind, age) and what its health and error events said."""
+    """Per event source, its last event (kind, age)."""
     now = time.time()
     out: dict[str, dict[str, Any]] = {}
     for _, fields in await redis.xrevrange(stream, count=count):
@@ -61,12 +62,14 @@ async def recent_events(redis: Any, stream: str, count: int = EVENTS_SCANNED) ->
             ev = decode(fields[FIELD], Event)
         except Exception:
             continue
-        seen = out.setdefault(ev.source, {"last_kind": ev.kind, "last_event_s": round(now - ev.created_at, 1)})
-        if ev.kind in ("health", "error") and ev.kind not in seen:
-            seen[ev.kind] = ev.data
-            if "restarts" in ev.data and "restarts" not in seen:
-                seen["restarts"] = ev.data["restarts"]
+        out.setdefault(ev.source, {"last_kind": ev.kind, "last_event_s": round(now - ev.created_at, 1)})
     return out
+
+
+async def service_restarts(redis: Any, key: str) -> dict[str, int]:
+    """Per service, its restarts: the starts each service counts in the run's hash (metrics.record_start), less one."""
+    starts = await redis.hgetall(key)
+    return {_s(k): max(int(v) - 1, 0) for k, v in starts.items()}
 
 
 async def services(coord: Any) -> list[dict[str, Any]]:
@@ -76,16 +79,16 @@ async def services(coord: Any) -> list[dict[str, Any]]:
         f(a) for a in coord.cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
     reads = await consumers(coord.bus.redis, streams, s.key(""))
     events = await recent_events(coord.bus.redis, s.events)
+    started = await service_restarts(coord.bus.redis, s.key(SERVICE_STARTS))
     restarts = {f"rollout-{a}": sum(int(e.get("restarts") or 0) for e in st.rollout.get("engines", []))
                 for a, st in coord.state.agents.items()}
     rows = []
-    for name in sorted(set(reads) | set(events)):
+    for name in sorted(set(reads) | set(events) | set(started)):
         groups = reads.get(name, [])
         idle = min((g["idle_s"] for g in groups), default=None)
         ev = events.get(name, {})
         alive = (idle is not None and idle < STALE_S) or ev.get("last_event_s", 1e9) < STALE_S
         rows.append({"service": name, "healthy": alive, "idle_s": idle, "reads": groups,
                      "last_event": ev.get("last_kind"), "last_event_s": ev.get("last_event_s"),
-                     "restarts": ev.get("restarts"), "engine_restarts": restarts.get(name),
-                     "error": ev.get("error")})
+                     "restarts": started.get(name), "engine_restarts": restarts.get(name)})
     return rows
