@@ -7,6 +7,7 @@ input gets a 4xx whose body says what is wrong, never a 500.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from typing import Any, Literal
 
@@ -31,7 +32,7 @@ def create_app(coord: Coordinator) -> FastAPI:
         return JSONResponse(status_code=422, content={"detail": "invalid request", "errors": errors})
 
     def writer(authorization: str | None = Header(default=None)) -> None:
-        if token and authorization != f"Bearer {token}":
+        if token and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
             raise HTTPException(401, "this endpoint needs 'Authorization: Bearer <api.token>'")
 
     @app.get("/health")

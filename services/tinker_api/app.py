@@ -9,6 +9,7 @@ them in ``X-API-Key`` (the SDK sends its ``TINKER_API_KEY`` there).
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
@@ -71,7 +72,8 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     async def guard(request: Request, call_next: Any) -> Response:
         keys = cfg.api_keys
         open_path = request.url.path in ("/api/v1/healthz", "/health")
-        if keys and not open_path and request.headers.get("x-api-key") not in keys:
+        given = (request.headers.get("x-api-key") or "").encode()
+        if keys and not open_path and not any(hmac.compare_digest(given, k.encode()) for k in keys):
             return user_error("X-API-Key: missing or not one of this server's API keys", 401)
         try:
             return await call_next(request)
