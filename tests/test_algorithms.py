@@ -15,6 +15,7 @@ from services.contracts.config import AlgorithmConfig, ConfigError, parse_config
 from services.contracts.messages import Sample
 from services.training.algorithms import ALGORITHMS, load_algorithm_class, make_algorithm, make_inputs
 from services.training.algorithms.base import kl_estimate
+from tests.helpers import make_sample
 
 MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
 ADV = torch.tensor([1.0, -1.0])
@@ -178,8 +179,7 @@ def test_tis_weights_for_stale_rows() -> None:
 
 
 def sample(group: str, reward: float, sid: str) -> Sample:
-    return Sample(id=sid, agent="A", role="X", episode_id="e", group_id=group, group_size=3, tokens=[1, 2],
-                  loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], reward=reward, turn_weight_versions=[0])
+    return make_sample(group, reward, size=3, id=sid, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0])
 
 
 def test_dpo_pairs_best_and_worst_of_each_group_and_keeps_pairs_together() -> None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from services.common.embedded_redis import free_port
+from tests.helpers import launch_up
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,8 +78,7 @@ def _start_run(tmp_path: Path, model: Path, name: str, *flags: str, log: Path | 
     With ``log`` the launcher's output goes to that file (read it with ``log.read_text()``)."""
     path, port = _config(tmp_path, model, name, **run)
     out = log.open("w") if log else subprocess.PIPE
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(path), *flags], cwd=REPO,
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc = launch_up(path, *flags, stdout=out, text=True)
     proc.api = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -364,8 +364,7 @@ def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, tiny_model_dir
     data.update(extra)
     data["environment"]["alternate_roles"] = True  # the untrained model ends games early: both must move first
     path.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(path)], cwd=REPO,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    proc = launch_up(path, stdout=log.open("w"), text=True)
     proc.api = f"http://127.0.0.1:{data['api']['port']}"  # type: ignore[attr-defined]
     try:
         _wait_for(lambda: _steps(proc) >= 2, 400, "two training steps", proc, log)
