@@ -20,6 +20,16 @@ async def _run_until(bus: Bus, stream: str, group: str, consumer: str, handler, 
     return asyncio.create_task(bus.consume(stream, group, consumer, handler, stop, **kw))
 
 
+async def _checkpoints_waiting(bus: Bus, n: int) -> tuple[str, list[Control]]:
+    """``n`` checkpoint commands published on the control stream after its group ``g`` was made."""
+    stream = bus.streams.control
+    await bus.ensure_group(stream, "g")
+    msgs = [Control(command="checkpoint", args={"n": i}) for i in range(n)]
+    for m in msgs:
+        await bus.publish(stream, m)
+    return stream, msgs
+
+
 def _recorder(field: str) -> tuple[list[str], Callable[[Control], Awaitable[None]]]:
     """A Control handler that records each message's ``field`` (``id`` or ``command``), and what it recorded."""
     seen: list[str] = []
@@ -100,11 +110,7 @@ CRASHING_CONSUMER = textwrap.dedent("""
 
 async def test_killed_consumer_entry_is_reclaimed_and_effect_happens_once(redis_url):
     bus = Bus(redis_url, "t", "survivor")
-    stream = bus.streams.control
-    await bus.ensure_group(stream, "g")
-    msgs = [Control(command="checkpoint", args={"n": i}) for i in range(3)]
-    for m in msgs:
-        await bus.publish(stream, m)
+    stream, msgs = await _checkpoints_waiting(bus, 3)
     doomed = await asyncio.create_subprocess_exec(sys.executable, "-c", CRASHING_CONSUMER, redis_url)
     try:
         for _ in range(200):
@@ -165,11 +171,7 @@ async def test_trim_never_cuts_unacknowledged_entries(redis_url):
 
 async def test_bookkeeping_is_batched_per_read_and_duplicates_run_once(redis_url):
     bus = Bus(redis_url, "t", "batch")
-    stream = bus.streams.control
-    await bus.ensure_group(stream, "g")
-    msgs = [Control(command="checkpoint", args={"n": i}) for i in range(32)]
-    for m in msgs:
-        await bus.publish(stream, m)
+    stream, msgs = await _checkpoints_waiting(bus, 32)
     await bus.publish(stream, msgs[3])  # the same message twice in one read: one effect, both acknowledged
     await bus.redis.config_resetstat()
     stop = asyncio.Event()
