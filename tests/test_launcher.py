@@ -91,6 +91,13 @@ def _start_run(tmp_path: Path, model: Path, name: str, *flags: str, log: Path | 
     return proc, _children(proc.pid)
 
 
+def _logged_run(tmp_path: Path, model: Path, name: str,
+                **run: object) -> tuple[subprocess.Popen, dict[int, str], Path]:
+    """``_start_run`` with the launcher's output in ``tmp_path/launcher.log``, also returned."""
+    log = tmp_path / "launcher.log"
+    return (*_start_run(tmp_path, model, name, log=log, **run), log)
+
+
 def _steps(proc: subprocess.Popen) -> int:
     """Training steps done so far, both agents together (0 while the API does not answer)."""
     try:
@@ -134,8 +141,7 @@ def _victim(children: dict[int, str], *parts: str) -> int:
 
 @pytest.mark.slow
 def test_a_killed_service_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_dir):
-    log = tmp_path / "launcher.log"
-    proc, children = _start_run(tmp_path, tiny_model_dir, "restarts", log=log)
+    proc, children, log = _logged_run(tmp_path, tiny_model_dir, "restarts")
     try:
         _wait_for(lambda: _steps(proc) >= 1, 240, "training step", proc, log)
         for what in ("services.buffer --config", "services.trainer --config"):
@@ -157,8 +163,7 @@ def test_a_killed_service_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_
 
 @pytest.mark.slow
 def test_past_the_restart_budget_the_run_stops_naming_the_service(tmp_path, tiny_model_dir):
-    log = tmp_path / "launcher.log"
-    proc, children = _start_run(tmp_path, tiny_model_dir, "dies", log=log, max_restarts=1)
+    proc, children, log = _logged_run(tmp_path, tiny_model_dir, "dies", max_restarts=1)
     try:
         os.kill(_victim(children, "services.buffer --config", "--agent A"), signal.SIGKILL)
         _wait_for(lambda: "buffer.A restarted (restart 1)" in log.read_text(), 60, "restart", proc, log)
@@ -174,8 +179,7 @@ def test_past_the_restart_budget_the_run_stops_naming_the_service(tmp_path, tiny
 
 @pytest.mark.slow
 def test_a_killed_valkey_is_named_and_restarted_on_its_aof(tmp_path, tiny_model_dir):
-    log = tmp_path / "launcher.log"
-    proc, children = _start_run(tmp_path, tiny_model_dir, "valkey", log=log)
+    proc, children, log = _logged_run(tmp_path, tiny_model_dir, "valkey")
     try:
         _wait_for(lambda: _steps(proc) >= 1, 240, "training step", proc, log)
         valkey = _victim(children, "valkey")
