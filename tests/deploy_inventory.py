@@ -16,12 +16,14 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_PASSWORD = "test-only-not-a-secret"
+K8S_VERSION = "1.33.0"  # the Kubernetes version the manifests are validated against
 
 
 @dataclass
@@ -63,6 +65,23 @@ def run_compose(*args: str, password: str | None = TEST_PASSWORD) -> subprocess.
 def run_kustomize(overlay: str) -> subprocess.CompletedProcess:
     return subprocess.run([tool("kubectl"), "kustomize", str(REPO / "deploy" / "k8s" / "overlays" / overlay)],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def validate_k8s(manifests: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``kubernetes-validate --strict`` of the YAML ``manifests`` against K8S_VERSION's bundled schemas (offline)."""
+    return subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=manifests,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def strictly_valid(rendered: subprocess.CompletedProcess) -> tuple[list[dict], list[str]]:
+    """The documents of a clean render that all passed strict validation, and the validator's line for each."""
+    assert rendered.returncode == 0 and not rendered.stderr.strip(), rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    res = validate_k8s(rendered.stdout)
+    lines = res.stdout.splitlines()
+    # a kind without a schema is only a WARN with exit 0, so every resource must have passed
+    assert res.returncode == 0 and len(lines) == len(docs) and all(" passed " in x for x in lines), res.stdout
+    return docs, lines
 
 
 def service_argv(command: list[str]) -> list[str]:
@@ -142,3 +161,15 @@ def k8s_containers(overlay: str) -> tuple[list[Container], list[dict]]:
                                  service_argv(cmd), cmd, env, ports, probe_ports, src,
                                  extra={"doc": doc, "container": c, "init": c in spec.get("initContainers", [])}))
     return out, docs
+
+
+@cache
+def compose(profile: str) -> tuple[list[Container], dict]:
+    """``compose_containers(profile)``, rendered once per session."""
+    return compose_containers(profile)
+
+
+@cache
+def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
+    """``k8s_containers(overlay)``, rendered once per session."""
+    return k8s_containers(overlay)

@@ -15,6 +15,7 @@ from services.contracts.config import AlgorithmConfig, ConfigError, parse_config
 from services.contracts.messages import Sample
 from services.training.algorithms import ALGORITHMS, load_algorithm_class, make_algorithm, make_inputs
 from services.training.algorithms.base import kl_estimate
+from tests.helpers import make_sample
 
 MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
 ADV = torch.tensor([1.0, -1.0])
@@ -46,8 +47,7 @@ def test_grpo_clipped_token_mean() -> None:
 
 
 def test_grpo_and_dr_grpo_advantages() -> None:
-    s = [Sample(agent="A", role="X", episode_id="e", group_id=g, group_size=2, tokens=[1, 2], loss_mask=[0, 1],
-                rollout_logprobs=[0.0, -1.0], reward=r, turn_weight_versions=[0])
+    s = [make_sample(g, r, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0])
          for g, r in [("a", 1.0), ("a", 0.0), ("b", 3.0), ("b", 3.0)]]
     # group a: mean 0.5, std 0.5 -> GRPO (+1, -1); Dr.GRPO no std -> (+0.5, -0.5); group b: all equal -> 0
     grpo = make_algorithm(AlgorithmConfig(name="grpo")).advantages(s)
@@ -100,8 +100,7 @@ def test_cispo_value_and_gradient() -> None:
 
 
 def test_reinforce_pp_advantages() -> None:
-    s = [Sample(agent="A", role="X", episode_id="e", group_id=g, group_size=2, tokens=[1, 2], loss_mask=[0, 1],
-                rollout_logprobs=[0.0, -1.0], reward=r, turn_weight_versions=[0])
+    s = [make_sample(g, r, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0])
          for g, r in [("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 0.0)]]
     # no baseline: batch mean 0.25, population std sqrt((0.75^2 + 3 * 0.25^2) / 4) = sqrt(0.1875) = 0.4330127
     plain = make_algorithm(AlgorithmConfig(name="reinforce_pp")).advantages(s)
@@ -178,8 +177,7 @@ def test_tis_weights_for_stale_rows() -> None:
 
 
 def sample(group: str, reward: float, sid: str) -> Sample:
-    return Sample(id=sid, agent="A", role="X", episode_id="e", group_id=group, group_size=3, tokens=[1, 2],
-                  loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], reward=reward, turn_weight_versions=[0])
+    return make_sample(group, reward, size=3, id=sid, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0])
 
 
 def test_dpo_pairs_best_and_worst_of_each_group_and_keeps_pairs_together() -> None:

@@ -7,12 +7,11 @@ from services.common.bus import Bus
 from services.contracts.codec import decode
 from services.contracts.messages import Batch, Sample
 from services.coordinator.state import AgentState
+from tests.helpers import make_sample
 
 
 def sample(group: str, reward: float, version: int = 0, size: int = 2, agent: str = "A") -> Sample:
-    return Sample(agent=agent, role="X", episode_id="e", group_id=group, group_size=size, tokens=[1, 2, 3],
-                  loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -0.1, -0.2], reward=reward,
-                  turn_weight_versions=[version])
+    return make_sample(group, reward, agent=agent, size=size, version=version)
 
 
 async def batches(bus: Bus) -> list[Batch]:

@@ -7,6 +7,7 @@ import signal
 import sys
 import textwrap
 import time
+from collections.abc import Awaitable, Callable
 
 from services.common.bus import Bus, Reject
 from services.common.embedded_redis import EmbeddedRedis, free_port
@@ -17,6 +18,26 @@ from services.contracts.messages import Control
 async def _run_until(bus: Bus, stream: str, group: str, consumer: str, handler, stop: asyncio.Event,
                      **kw) -> asyncio.Task:
     return asyncio.create_task(bus.consume(stream, group, consumer, handler, stop, **kw))
+
+
+async def _checkpoints_waiting(bus: Bus, n: int) -> tuple[str, list[Control]]:
+    """``n`` checkpoint commands published on the control stream after its group ``g`` was made."""
+    stream = bus.streams.control
+    await bus.ensure_group(stream, "g")
+    msgs = [Control(command="checkpoint", args={"n": i}) for i in range(n)]
+    for m in msgs:
+        await bus.publish(stream, m)
+    return stream, msgs
+
+
+def _recorder(field: str) -> tuple[list[str], Callable[[Control], Awaitable[None]]]:
+    """A Control handler that records each message's ``field`` (``id`` or ``command``), and what it recorded."""
+    seen: list[str] = []
+
+    async def handler(msg: Control) -> None:
+        seen.append(getattr(msg, field))
+
+    return seen, handler
 
 
 async def test_malformed_entries_go_to_deadletter_and_consumer_goes_on(redis_url):
@@ -89,11 +110,7 @@ CRASHING_CONSUMER = textwrap.dedent("""
 
 async def test_killed_consumer_entry_is_reclaimed_and_effect_happens_once(redis_url):
     bus = Bus(redis_url, "t", "survivor")
-    stream = bus.streams.control
-    await bus.ensure_group(stream, "g")
-    msgs = [Control(command="checkpoint", args={"n": i}) for i in range(3)]
-    for m in msgs:
-        await bus.publish(stream, m)
+    stream, msgs = await _checkpoints_waiting(bus, 3)
     doomed = await asyncio.create_subprocess_exec(sys.executable, "-c", CRASHING_CONSUMER, redis_url)
     try:
         for _ in range(200):
@@ -154,11 +171,7 @@ async def test_trim_never_cuts_unacknowledged_entries(redis_url):
 
 async def test_bookkeeping_is_batched_per_read_and_duplicates_run_once(redis_url):
     bus = Bus(redis_url, "t", "batch")
-    stream = bus.streams.control
-    await bus.ensure_group(stream, "g")
-    msgs = [Control(command="checkpoint", args={"n": i}) for i in range(32)]
-    for m in msgs:
-        await bus.publish(stream, m)
+    stream, msgs = await _checkpoints_waiting(bus, 32)
     await bus.publish(stream, msgs[3])  # the same message twice in one read: one effect, both acknowledged
     await bus.redis.config_resetstat()
     stop = asyncio.Event()
@@ -201,13 +214,8 @@ async def test_consumers_and_producers_carry_on_across_a_redis_restart(tmp_path)
     port, data = free_port(), tmp_path / "valkey"
     server = EmbeddedRedis(port=port, data_dir=data, appendonly=True).start()
     bus = Bus(server.url, "t", "restart")
-    stream = bus.streams.control
-    seen: list[str] = []
-    stop = asyncio.Event()
-
-    async def handler(msg: Control) -> None:
-        seen.append(msg.id)
-
+    stream, stop = bus.streams.control, asyncio.Event()
+    seen, handler = _recorder("id")
     loop = asyncio.create_task(bus.consume(stream, "g", "c", handler, stop, block_ms=100, concurrency=4))
     first = [await bus.publish(stream, Control(command="pause", args={"n": i})) for i in range(20)]
     await until(lambda: len(seen) >= 20)
@@ -235,13 +243,8 @@ async def test_consumers_and_producers_carry_on_across_a_redis_restart(tmp_path)
 async def test_a_consumer_whose_group_vanished_creates_it_again(redis_url):
     """Redis restarted without its data: the stream and the group are gone; the loop recreates them."""
     bus = Bus(redis_url, "t", "gone")
-    stream = bus.streams.control
-    seen: list[str] = []
-    stop = asyncio.Event()
-
-    async def handler(msg: Control) -> None:
-        seen.append(msg.command)
-
+    stream, stop = bus.streams.control, asyncio.Event()
+    seen, handler = _recorder("command")
     loop = asyncio.create_task(bus.consume(stream, "g", "c", handler, stop, block_ms=50))
     await bus.publish(stream, Control(command="pause"))
     await until(lambda: seen == ["pause"])

@@ -15,6 +15,7 @@ from services.contracts.messages import EngineStatus, Event, GroupDone, RolloutL
 from services.contracts.players import Local, Pool
 from services.coordinator.ledger import RESTARTED
 from services.coordinator.scheduler import Coordinator
+from tests.helpers import make_sample
 
 STEP = {"loss": 0.5, "pg_loss": 0.4, "clip_frac": 0.1, "reward_mean": 0.25}
 
@@ -28,9 +29,7 @@ def make_config(redis_url: str, model: str, out: Path) -> TandemConfig:
 
 
 def sample(agent: str, group: str, reward: float) -> Sample:
-    return Sample(agent=agent, role="X", episode_id=f"{group}-{agent}-{reward}", group_id=group, group_size=2,
-                  tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -0.1, -0.2], reward=reward,
-                  turn_weight_versions=[0])
+    return make_sample(group, reward, agent=agent, episode_id=f"{group}-{agent}-{reward}")
 
 
 async def buffer_verdicts(bus: Bus, agent: str) -> list[Event]:

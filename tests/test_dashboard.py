@@ -100,6 +100,8 @@ async def test_dashboard_routes_over_real_episodes(redis_url: str, tiny_model_di
             assert len(mine["ids"]) == len(mine["logprobs"]) == len(mine["texts"]) == turn["tokens"]
             assert all(lp <= 0 for lp in mine["logprobs"]) and mine["weight_version"] == turn["weight_version"]
         assert (await client.get("/v1/dashboard/episodes/nope")).status_code == 404
+        assert (await client.get(f"/v1/episodes/{ep_id}")).json() | {"board": ep["board"]} == ep  # one record
+        assert (await client.get("/v1/episodes/nope")).status_code == 404
         pipe = (await client.get("/v1/dashboard/pipeline")).json()
         assert pipe["gates"]["A"]["limit"] == 4 and pipe["gates"]["A"]["blocked"] is False
         refused = await client.post("/v1/pause")

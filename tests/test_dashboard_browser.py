@@ -25,6 +25,7 @@ import yaml
 from selenium.common.exceptions import WebDriverException
 
 from services.common.embedded_redis import free_port
+from tests.helpers import launch_up, wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -32,18 +33,8 @@ TOKEN = "dash-s3cret"
 
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"launcher exited ({proc.returncode}) while waiting for {what}")
-        try:
-            value = predicate()
-        except (httpx.HTTPError, KeyError, ValueError, WebDriverException):  # e.g. a chart not drawn yet
-            value = None
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+    errors = (httpx.HTTPError, KeyError, ValueError, WebDriverException)  # e.g. a chart not drawn yet
+    return wait_until(predicate, timeout, what, proc, errors=errors, interval=0.3)
 
 
 def _config(d: Path, name: str, model: Path, port: int, steps: int, **extra) -> Path:
@@ -63,8 +54,7 @@ def _config(d: Path, name: str, model: Path, port: int, steps: int, **extra) -> 
 
 
 def _launch(cfg: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(cfg)], cwd=REPO,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return launch_up(cfg, stdout=open(log, "wb"))
 
 
 @pytest.fixture(scope="module")

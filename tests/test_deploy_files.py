@@ -28,26 +28,25 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-from deploy_inventory import REPO, Container, compose_containers, k8s_containers, run_compose, run_kustomize, tool
+from deploy_inventory import (
+    K8S_VERSION,
+    REPO,
+    Container,
+    compose,
+    k8s,
+    run_compose,
+    run_kustomize,
+    strictly_valid,
+    validate_k8s,
+)
 
 from services.contracts.config import ConfigError, TandemConfig, load_config
 
 PROFILES = ("gpu", "cpu")
 OVERLAYS = ("cpu", "gpu")
-K8S_VERSION = "1.33.0"  # the Kubernetes version the manifests are validated against
 SERVICES = {"services.coordinator", "services.rollout", "services.buffer", "services.trainer"}
 PER_AGENT = SERVICES - {"services.coordinator"}
 RENDEZVOUS_PORT = 29500
-
-
-@cache
-def compose(profile: str) -> tuple[list[Container], dict]:
-    return compose_containers(profile)
-
-
-@cache
-def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
-    return k8s_containers(overlay)
 
 
 def topologies() -> list[tuple[str, str]]:
@@ -115,14 +114,7 @@ def test_compose_profile_is_valid(profile):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_and_passes_strict_validation(overlay):
-    rendered = run_kustomize(overlay)
-    assert rendered.returncode == 0 and not rendered.stderr.strip(), rendered.stderr
-    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    res = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=rendered.stdout,
-                         capture_output=True, text=True, timeout=120)
-    lines = res.stdout.splitlines()
-    # a kind without a schema is only a WARN with exit 0, so every resource must have passed
-    assert res.returncode == 0 and len(lines) == len(docs) and all(" passed " in x for x in lines), res.stdout
+    _, lines = strictly_valid(run_kustomize(overlay))
     assert all(x.endswith(f"against version {K8S_VERSION.rsplit('.', 1)[0]}") for x in lines)
 
 
@@ -132,8 +124,7 @@ def test_validator_is_offline_and_strict():
     docs = [d for d in yaml.safe_load_all(run_kustomize("cpu").stdout) if d]
     bad = next(d for d in docs if d["kind"] == "Deployment")
     bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/typo"
-    res = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=yaml.safe_dump(bad),
-                         capture_output=True, text=True, timeout=60)
+    res = validate_k8s(yaml.safe_dump(bad), timeout=60)
     assert res.returncode != 0 and "paht" in res.stdout
 
 

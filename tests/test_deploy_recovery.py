@@ -5,26 +5,14 @@ Kubernetes restart policies, probes and strategies, Redis's AOF on a volume)."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 import yaml
-from deploy_inventory import Container, compose_containers, k8s_containers, run_compose
+from deploy_inventory import compose, k8s, run_compose
 
 PROFILES = ("gpu", "cpu")
 OVERLAYS = ("cpu", "gpu")
 SERVICES = {"services.coordinator", "services.rollout", "services.buffer", "services.trainer"}
 SHARED = {"redis", "redis-password"}  # in every compose topology
-
-
-@cache
-def compose(profile: str) -> tuple[list[Container], dict]:
-    return compose_containers(profile)
-
-
-@cache
-def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
-    return k8s_containers(overlay)
 
 
 def test_a_bare_compose_up_runs_the_whole_cpu_topology_and_gpu_is_one_flag_away():

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,25 +23,10 @@ import yaml
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Batch, GenerateReply
+from tests.helpers import launch_up, wait_until
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 TOTAL_STEPS = 4
-
-
-def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"launcher exited ({proc.returncode}) while waiting for {what}")
-        try:
-            value = predicate()
-        except (httpx.HTTPError, KeyError, ValueError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +50,13 @@ def run(tmp_path_factory, warm_model_dir):
     cfg_path = d / "e2e.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     log = open(d / "launcher.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(cfg_path)], cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = launch_up(cfg_path, stdout=log)
     api = f"http://127.0.0.1:{port}"
     observed: dict = {}
     try:
-        _wait(lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200, 240, "the control API", proc)
-        _wait(lambda: httpx.get(f"{api}/v1/status", timeout=2).json()["phase"] == "training", 240,
-              "training to start", proc)
+        wait_until(lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200, 240, "the control API", proc)
+        wait_until(lambda: httpx.get(f"{api}/v1/status", timeout=2).json()["phase"] == "training", 240,
+                   "training to start", proc)
         assert httpx.post(f"{api}/v1/pause", timeout=5).json()["paused"] is True
         observed["at_pause"] = httpx.get(f"{api}/v1/status", timeout=2).json()
 
@@ -83,7 +64,7 @@ def run(tmp_path_factory, warm_model_dir):
             st = httpx.get(f"{api}/v1/status", timeout=2).json()
             return st if all(a["groups"]["in_flight"] == 0 for a in st["agents"].values()) else None
 
-        st = _wait(settled, 120, "the groups in flight at the pause to finish", proc)
+        st = wait_until(settled, 120, "the groups in flight at the pause to finish", proc)
         time.sleep(2.0)
         st2 = httpx.get(f"{api}/v1/status", timeout=2).json()
         observed["paused"] = (st, st2)
@@ -92,7 +73,7 @@ def run(tmp_path_factory, warm_model_dir):
         observed["bad_agent"] = httpx.get(f"{api}/v1/metrics", params={"agent": "Z"}, timeout=5)
         observed["episodes"] = httpx.get(f"{api}/v1/episodes", params={"limit": 5}, timeout=5).json()
         assert httpx.post(f"{api}/v1/resume", timeout=5).json()["paused"] is False
-        observed["resumed"] = _wait(
+        observed["resumed"] = wait_until(
             lambda: (s := httpx.get(f"{api}/v1/status", timeout=2).json())["episodes"] > st2["episodes"] and s,
             60, "episodes after resume", proc)
         proc.wait(timeout=300)

@@ -21,23 +21,19 @@ from fastapi import FastAPI
 from safetensors.torch import load_file, save_file
 
 from services.contracts.sglang_api import GenerateReqOutput
-from services.engine.server import create_app
 from services.inference.generator import Engine
+from tests.helpers import asgi_client, engine_app
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir: Path) -> Iterator[FastAPI]:
-    app = create_app(tiny_model_dir, weight_version=0, max_batch=64, engine_id="test-engine")
-    try:
+    with engine_app(tiny_model_dir, weight_version=0, max_batch=64, engine_id="test-engine") as app:
         yield app
-    finally:
-        app.state.engine.stop()
 
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60.0) as c:
+    async with asgi_client(app, base_url="http://engine", http_timeout_s=60.0) as c:
         yield c
 
 

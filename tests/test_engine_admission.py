@@ -20,24 +20,21 @@ import pytest
 from fastapi import FastAPI
 
 from services.contracts.sglang_api import GenerateReqOutput
-from services.engine.server import create_app
 from services.inference.generator import Engine
 from services.inference.request import GenRequest
+from tests.helpers import asgi_client, engine_app
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir: Path) -> Iterator[FastAPI]:
     # a wide quiet time, so that requests sent together are admitted together even on a loaded machine
-    app = create_app(tiny_model_dir, max_batch=32, engine_id="adm", admit_quiet_s=0.25, admit_window_s=2.0)
-    try:
+    with engine_app(tiny_model_dir, max_batch=32, engine_id="adm", admit_quiet_s=0.25, admit_window_s=2.0) as app:
         yield app
-    finally:
-        app.state.engine.stop()
 
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e", timeout=120) as c:
+    async with asgi_client(app) as c:
         yield c
 
 

@@ -22,22 +22,19 @@ from fastapi import FastAPI
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from services.engine.server import create_app
 from services.training.grpo import token_logprobs
+from tests.helpers import asgi_client, engine_app
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir: Path) -> Iterator[FastAPI]:
-    app = create_app(tiny_model_dir, weight_version=0, max_batch=8)
-    try:
+    with engine_app(tiny_model_dir, weight_version=0, max_batch=8) as app:
         yield app
-    finally:
-        app.state.engine.stop()
 
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e", timeout=120) as c:
+    async with asgi_client(app) as c:
         yield c
 
 

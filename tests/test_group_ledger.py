@@ -11,14 +11,13 @@ from services.common.bus import Bus
 from services.contracts.codec import FIELD, encode
 from services.contracts.messages import Sample
 from services.coordinator.ledger import RESTARTED, GroupLedger
+from tests.helpers import make_sample
 
 TERMINAL = {"kept", "dropped", "abandoned"}
 
 
 def sample(group: str, reward: float, size: int = 2, agent: str = "A", version: int = 0) -> Sample:
-    return Sample(agent=agent, role="X", episode_id=f"e-{group}-{reward}", group_id=group, group_size=size,
-                  tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -0.1, -0.2], reward=reward,
-                  turn_weight_versions=[version])
+    return make_sample(group, reward, agent=agent, size=size, version=version, episode_id=f"e-{group}-{reward}")
 
 
 async def consume_samples(bus: Bus, store: SampleStore) -> None:

@@ -21,6 +21,7 @@ from services.common import health as health_mod
 from services.common import service
 from services.common.bus import Bus
 from services.common.embedded_redis import free_port
+from tests.helpers import first_response
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,12 +111,7 @@ async def test_run_service_answers_503_while_stopping(redis_url):
 
     runner = asyncio.create_task(service.run_service("svc.A", bus, stop, slow_to_stop(), health_port=port))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-        for _ in range(100):
-            try:
-                resp = await client.get("/health")
-                break
-            except httpx.ConnectError:
-                await asyncio.sleep(0.05)
+        resp = await first_response(client, "/health")
         assert resp.status_code == 200 and resp.json()["ok"] is True
         stop.set()
         await asyncio.wait_for(cancelled.wait(), 5)
@@ -163,12 +159,7 @@ async def test_run_service_reports_what_ready_says(redis_url):
         "svc.B", bus, stop, idle(), health_port=port,
         ready=lambda: (True, "") if state["ok"] else (False, "engines starting")))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-        for _ in range(100):
-            try:
-                resp = await client.get("/health")
-                break
-            except httpx.ConnectError:
-                await asyncio.sleep(0.05)
+        resp = await first_response(client, "/health")
         assert resp.status_code == 503 and resp.json()["reason"] == "engines starting"
         state["ok"] = True
         assert (await client.get("/health")).status_code == 200

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from services.common.embedded_redis import free_port
+from tests.helpers import launch_up
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,8 +78,7 @@ def _start_run(tmp_path: Path, model: Path, name: str, *flags: str, log: Path | 
     With ``log`` the launcher's output goes to that file (read it with ``log.read_text()``)."""
     path, port = _config(tmp_path, model, name, **run)
     out = log.open("w") if log else subprocess.PIPE
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(path), *flags], cwd=REPO,
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc = launch_up(path, *flags, stdout=out, text=True)
     proc.api = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -89,6 +89,13 @@ def _start_run(tmp_path: Path, model: Path, name: str, *flags: str, log: Path | 
         except httpx.HTTPError:
             time.sleep(0.3)
     return proc, _children(proc.pid)
+
+
+def _logged_run(tmp_path: Path, model: Path, name: str,
+                **run: object) -> tuple[subprocess.Popen, dict[int, str], Path]:
+    """``_start_run`` with the launcher's output in ``tmp_path/launcher.log``, also returned."""
+    log = tmp_path / "launcher.log"
+    return (*_start_run(tmp_path, model, name, log=log, **run), log)
 
 
 def _steps(proc: subprocess.Popen) -> int:
@@ -134,8 +141,7 @@ def _victim(children: dict[int, str], *parts: str) -> int:
 
 @pytest.mark.slow
 def test_a_killed_service_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_dir):
-    log = tmp_path / "launcher.log"
-    proc, children = _start_run(tmp_path, tiny_model_dir, "restarts", log=log)
+    proc, children, log = _logged_run(tmp_path, tiny_model_dir, "restarts")
     try:
         _wait_for(lambda: _steps(proc) >= 1, 240, "training step", proc, log)
         for what in ("services.buffer --config", "services.trainer --config"):
@@ -157,8 +163,7 @@ def test_a_killed_service_is_restarted_and_the_run_goes_on(tmp_path, tiny_model_
 
 @pytest.mark.slow
 def test_past_the_restart_budget_the_run_stops_naming_the_service(tmp_path, tiny_model_dir):
-    log = tmp_path / "launcher.log"
-    proc, children = _start_run(tmp_path, tiny_model_dir, "dies", log=log, max_restarts=1)
+    proc, children, log = _logged_run(tmp_path, tiny_model_dir, "dies", max_restarts=1)
     try:
         os.kill(_victim(children, "services.buffer --config", "--agent A"), signal.SIGKILL)
         _wait_for(lambda: "buffer.A restarted (restart 1)" in log.read_text(), 60, "restart", proc, log)
@@ -174,8 +179,7 @@ def test_past_the_restart_budget_the_run_stops_naming_the_service(tmp_path, tiny
 
 @pytest.mark.slow
 def test_a_killed_valkey_is_named_and_restarted_on_its_aof(tmp_path, tiny_model_dir):
-    log = tmp_path / "launcher.log"
-    proc, children = _start_run(tmp_path, tiny_model_dir, "valkey", log=log)
+    proc, children, log = _logged_run(tmp_path, tiny_model_dir, "valkey")
     try:
         _wait_for(lambda: _steps(proc) >= 1, 240, "training step", proc, log)
         valkey = _victim(children, "valkey")
@@ -364,8 +368,7 @@ def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, tiny_model_dir
     data.update(extra)
     data["environment"]["alternate_roles"] = True  # the untrained model ends games early: both must move first
     path.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(path)], cwd=REPO,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    proc = launch_up(path, stdout=log.open("w"), text=True)
     proc.api = f"http://127.0.0.1:{data['api']['port']}"  # type: ignore[attr-defined]
     try:
         _wait_for(lambda: _steps(proc) >= 2, 400, "two training steps", proc, log)

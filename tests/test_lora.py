@@ -12,14 +12,13 @@ from services.contracts.config import AgentConfig, AlgorithmConfig, LoraConfig
 from services.contracts.messages import Sample
 from services.training.backends import make_policy
 from services.training.torch_backend import TorchPolicy, pad_batch
+from tests.helpers import completion_sample
 
 LORA = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 def batch() -> list[Sample]:
-    mask = [0, 0, 0, 1, 1, 1]
-    return [Sample(agent="A", role="X", episode_id="e", group_id="g", group_size=2, tokens=[5, 6, 7] + out,
-                   loss_mask=mask, rollout_logprobs=[-5.5 * m for m in mask], reward=r, turn_weight_versions=[0])
+    return [completion_sample([5, 6, 7], out, r, "g", logp=-5.5)
             for out, r in (([40, 41, 42], 1.0), ([50, 51, 52], 0.0))]
 
 

@@ -22,14 +22,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from services.contracts.config import AgentConfig, AlgorithmConfig, ConfigError, MegatronLayout  # noqa: E402
 from services.contracts.messages import Sample  # noqa: E402
 from services.training.backends import make_policy  # noqa: E402
+from tests.helpers import completion_sample  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 
 
 def sample(out: list[int], reward: float, group: str, version: int = 0) -> Sample:
-    tokens, mask = PROMPT + out, [0] * len(PROMPT) + [1] * len(out)
-    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=tokens, loss_mask=mask,
-                  rollout_logprobs=[-5.0 * m for m in mask], reward=reward, turn_weight_versions=[version])
+    return completion_sample(PROMPT, out, reward, group, version)
 
 
 SAMPLES = [sample([40, 41, 42], 1.0, "g"), sample([50, 51], 0.0, "g"), sample([60, 61, 62, 63], 1.0, "h"),

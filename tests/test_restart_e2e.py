@@ -28,6 +28,7 @@ from services.contracts.config import load_config
 from services.contracts.messages import Batch, Sample
 from services.launcher.processes import ProcessGroup, child_env, python_module
 from services.launcher.up import start_services
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 4
@@ -35,16 +36,7 @@ TIMEOUT_S = 60.0
 
 
 def _wait(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            value = predicate()
-        except (httpx.HTTPError, redis.RedisError, KeyError, ValueError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(predicate, timeout, what, errors=(httpx.HTTPError, redis.RedisError, KeyError, ValueError))
 
 
 def write_config(d: Path, port: int, model: Path) -> Path:

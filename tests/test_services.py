@@ -37,6 +37,7 @@ from services.contracts.messages import (
 from services.rollout.service import RolloutService
 from services.trainer.service import TrainerService
 from services.training.backends import Policy, make_policy
+from tests.helpers import make_sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,9 +49,8 @@ def config(tmp_path: Path, model: Path, **agent: object) -> TandemConfig:
 
 
 def sample(group: str, reward: float, size: int = 2, agent: str = "A") -> Sample:
-    return Sample(agent=agent, role="X", episode_id="e", group_id=group, group_size=size, tokens=[5, 6, 7, 40, 41],
-                  loss_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, 0.0, -3.0, -3.0], reward=reward,
-                  turn_weight_versions=[0])
+    return make_sample(group, reward, agent=agent, size=size, tokens=[5, 6, 7, 40, 41], loss_mask=[0, 0, 0, 1, 1],
+                       logprobs=[0.0, 0.0, 0.0, -3.0, -3.0])
 
 
 async def entries(bus: Bus, stream: str, model: type) -> list:

@@ -17,6 +17,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from services.common.embedded_redis import EmbeddedRedis
+from tests.helpers import tinker_server, tinker_service
 from tests.tinker_server import TinkerServer
 
 KEY = "tml-tandem-test"
@@ -26,20 +27,14 @@ IDS = [60 + (7 * i) % 50 for i in range(24)]
 @pytest.fixture(scope="module")
 def server(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
     url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own: the suite's flushes never hit it
-    srv = TinkerServer(url, tmp_path_factory.mktemp("tinker")).start()
-    try:
+    with tinker_server(url, tmp_path_factory.mktemp("tinker")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def service(server: TinkerServer) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    try:
+    with tinker_service(server.url, KEY) as client:
         yield client
-    finally:
-        client.close("success").result()
 
 
 def sft_datum(ids: list[int]) -> types.Datum:

@@ -9,12 +9,9 @@ import re
 import subprocess
 
 import pytest
-import yaml
-from deploy_inventory import REPO, compose_containers, run_compose, tool
+from deploy_inventory import REPO, compose_containers, run_compose, strictly_valid, tool
 
 from services.tinker_api.__main__ import main as serve_main
-
-K8S_VERSION = "1.33.0"
 
 
 def serve_flags() -> set[str]:
@@ -43,12 +40,7 @@ def test_compose_profile_runs_tandem_serve():
 def test_k8s_manifests_render_and_pass_strict_validation():
     rendered = subprocess.run([tool("kubectl"), "kustomize", str(REPO / "deploy" / "k8s" / "tinker-api")],
                               capture_output=True, text=True, timeout=120)
-    assert rendered.returncode == 0 and not rendered.stderr.strip(), rendered.stderr
-    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    res = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"], input=rendered.stdout,
-                         capture_output=True, text=True, timeout=120)
-    lines = res.stdout.splitlines()
-    assert res.returncode == 0 and len(lines) == len(docs) and all(" passed " in x for x in lines), res.stdout
+    docs, _ = strictly_valid(rendered)
     dep = next(d for d in docs if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][:2] == ["tandem", "serve"] and {a for a in c["command"] if a.startswith("--")} <= serve_flags()

@@ -18,6 +18,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from services.common.embedded_redis import EmbeddedRedis
+from tests.helpers import tinker_server, tinker_service
 from tests.test_tinker_api import IDS, KEY, forward_logprobs, sft_datum, train_steps
 from tests.tinker_server import TinkerServer
 
@@ -28,20 +29,14 @@ def db_url(server: EmbeddedRedis, db: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
-    srv = TinkerServer(db_url(redis_server, 4), tmp_path_factory.mktemp("tinker")).start()
-    try:
+    with tinker_server(db_url(redis_server, 4), tmp_path_factory.mktemp("tinker")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def service(server: TinkerServer) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    try:
+    with tinker_service(server.url, KEY) as client:
         yield client
-    finally:
-        client.close("success").result()
 
 
 def test_save_state_and_load_are_bit_exact(service: tinker.ServiceClient, tiny_model_dir: Path):

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from services.contracts.config import load_config
 from services.contracts.messages import Batch, Event, Sample
 from services.contracts.streams import Streams
 from services.training.backends import make_policy
+from tests.helpers import make_sample, wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -36,13 +36,7 @@ STEPS = 8  # room for the three kills wherever the first one lands
 
 
 def wait(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(pred, timeout, what, errors=(), interval=0.1)  # any error of ``pred`` fails the test
 
 
 def samples() -> list[Sample]:
@@ -51,9 +45,8 @@ def samples() -> list[Sample]:
         for k in range(2):
             tokens = [5, 6, 7, 8] + [20 + 3 * g + k, 30 + k, 40 + g]
             mask = [0, 0, 0, 0, 1, 1, 1]
-            out.append(Sample(id=f"s{g}-{k}", agent="A", role="X", episode_id=f"e{g}-{k}", group_id=f"g{g}",
-                              group_size=2, tokens=tokens, loss_mask=mask,
-                              rollout_logprobs=[-5.5 * m for m in mask], reward=float(k), turn_weight_versions=[0]))
+            out.append(make_sample(f"g{g}", float(k), id=f"s{g}-{k}", episode_id=f"e{g}-{k}", tokens=tokens,
+                                   loss_mask=mask, logprobs=[-5.5 * m for m in mask]))
     return out
 
 

@@ -11,16 +11,14 @@ from services.contracts.config import AgentConfig, AlgorithmConfig
 from services.contracts.messages import Sample
 from services.training.backends import make_policy
 from services.training.torch_backend import TorchPolicy, pad_batch
+from tests.helpers import completion_sample
 
 PROMPT = [5, 6, 7, 8]
 GOOD, BAD = [40, 41, 42], [50, 51, 52]
 
 
 def sample(tokens_out: list[int], reward: float, group: str, version: int = 0, logp: float = -5.0) -> Sample:
-    tokens = PROMPT + tokens_out
-    mask = [0] * len(PROMPT) + [1] * len(tokens_out)
-    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=tokens, loss_mask=mask,
-                  rollout_logprobs=[logp * m for m in mask], reward=reward, turn_weight_versions=[version])
+    return completion_sample(PROMPT, tokens_out, reward, group, version, logp)
 
 
 def with_rollout_logprobs(policy: TorchPolicy, samples: list[Sample]) -> list[Sample]:

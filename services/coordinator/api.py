@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
@@ -18,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from services.common.metrics import SERVICE_STARTS, RunMetrics
 from services.contracts.messages import Control
 from services.coordinator.dashboard import mount as mount_dashboard
+from services.coordinator.dashboard.routes import episode_record
 from services.coordinator.scheduler import Coordinator
 
 
@@ -90,13 +90,7 @@ def create_app(coord: Coordinator) -> FastAPI:
 
     @app.get("/v1/episodes/{episode_id}")
     async def episode(episode_id: str) -> dict[str, Any]:
-        rec = coord.episodes.get(episode_id)
-        if rec is None:
-            raw = await coord.bus.redis.hget(coord.bus.streams.episodes(), episode_id)
-            if raw is None:
-                raise HTTPException(404, f"no episode {episode_id!r}")
-            rec = json.loads(raw)
-        return rec
+        return await episode_record(coord, episode_id)
 
     @app.get("/v1/metrics")
     async def metrics(agent: str | None = None) -> dict[str, Any]:

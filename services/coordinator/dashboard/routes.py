@@ -26,6 +26,17 @@ def _finite(name: str, v: float | None) -> float | None:
     return v
 
 
+async def episode_record(coord: Any, episode_id: str) -> dict[str, Any]:
+    """The episode's record: from the coordinator's recent ones, else from the run's episode hash; else a 404."""
+    rec = coord.episodes.get(episode_id)
+    if rec is None:
+        raw = await coord.bus.redis.hget(coord.bus.streams.episodes(), episode_id)
+        if raw is None:
+            raise HTTPException(404, f"no episode {episode_id!r}")
+        rec = json.loads(raw)
+    return dict(rec)
+
+
 def create_router(coord: Any, index: Path) -> APIRouter:
     router = APIRouter()
     env_cls = coord.env_cls
@@ -62,23 +73,14 @@ def create_router(coord: Any, index: Path) -> APIRouter:
                 if matches(r, agent or None, role or None, purpose, min_reward, max_reward)]
         return {"total": len(recs), "episodes": [brief(r) for r in recs[offset: offset + limit]]}
 
-    async def record(episode_id: str) -> dict[str, Any]:
-        rec = coord.episodes.get(episode_id)
-        if rec is None:
-            raw = await coord.bus.redis.hget(coord.bus.streams.episodes(), episode_id)
-            if raw is None:
-                raise HTTPException(404, f"no episode {episode_id!r}")
-            rec = json.loads(raw)
-        return dict(rec)
-
     @router.get("/v1/dashboard/episodes/{episode_id}")
     async def episode(episode_id: str) -> dict[str, Any]:
-        rec = await record(episode_id)
+        rec = await episode_record(coord, episode_id)
         return rec | {"board": board(env_cls, rec)}
 
     @router.get("/v1/dashboard/episodes/{episode_id}/tokens")
     async def tokens(episode_id: str) -> dict[str, Any]:
-        await record(episode_id)
+        await episode_record(coord, episode_id)
         data = await load_tokens(coord.bus, episode_id)
         if data is None:
             raise HTTPException(404, f"the tokens of episode {episode_id!r} are no longer kept (or it had no "

@@ -1,0 +1,122 @@
+"""Helpers the tests share: a Sample factory, wait-until pollers, and the embedded engine and Tinker server set-ups.
+
+Imported as ``from tests.helpers import ...``; the fixtures built on them live in the test files (or conftest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI
+
+from services.contracts.messages import Sample
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_sample(group: str = "g", reward: float = 0.0, *, agent: str = "A", size: int = 2, version: int = 0,
+                episode_id: str = "e", tokens: Sequence[int] = (1, 2, 3), loss_mask: Sequence[int] = (0, 1, 1),
+                logprobs: Sequence[float] = (0.0, -0.1, -0.2), **extra: Any) -> Sample:
+    """A finished turn of role X with the given group, reward and weight version (the default: 3 tokens, 2 learned)."""
+    return Sample(agent=agent, role="X", episode_id=episode_id, group_id=group, group_size=size, tokens=list(tokens),
+                  loss_mask=list(loss_mask), rollout_logprobs=list(logprobs), reward=reward,
+                  turn_weight_versions=[version], **extra)
+
+
+def completion_sample(prompt: Sequence[int], out: Sequence[int], reward: float, group: str, version: int = 0,
+                      logp: float = -5.0) -> Sample:
+    """A sample whose prompt is masked out and whose completion ``out`` was sampled with logprob ``logp`` a token."""
+    mask = [0] * len(prompt) + [1] * len(out)
+    return make_sample(group, reward, version=version, tokens=[*prompt, *out], loss_mask=mask,
+                       logprobs=[logp * m for m in mask])
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, proc: subprocess.Popen | None = None,
+               errors: tuple[type[BaseException], ...] = (httpx.HTTPError, KeyError, ValueError),
+               interval: float = 0.2) -> T:
+    """Poll ``predicate`` until it returns something truthy (which is returned); ``errors`` it raises count as no.
+
+    Fails naming ``what`` after ``timeout`` seconds, or at once when ``proc`` (e.g. a `tandem up`) has exited.
+    """
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"launcher exited ({proc.returncode}) while waiting for {what}")
+        try:
+            value = predicate()
+        except errors:
+            value = None
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def launch_up(config: Path, *flags: str, stdout: Any, text: bool = False) -> subprocess.Popen:
+    """``tandem up CONFIG FLAGS`` as a child run from the repository root, its output and errors to ``stdout``."""
+    return subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(config), *flags], cwd=REPO,
+                            stdout=stdout, stderr=subprocess.STDOUT, text=text)
+
+
+async def first_response(client: httpx.AsyncClient, path: str, tries: int = 100) -> httpx.Response:
+    """GET ``path`` until the server behind ``client`` accepts connections."""
+    for _ in range(tries - 1):
+        try:
+            return await client.get(path)
+        except httpx.ConnectError:
+            await asyncio.sleep(0.05)
+    return await client.get(path)
+
+
+@contextmanager
+def engine_app(model_dir: Path, **options: Any) -> Iterator[FastAPI]:
+    """The embedded engine's app (``create_app(model_dir, **options)``), its engine stopped on exit."""
+    from services.engine.server import create_app
+
+    app = create_app(model_dir, **options)
+    try:
+        yield app
+    finally:
+        app.state.engine.stop()
+
+
+@asynccontextmanager
+async def asgi_client(app: FastAPI, base_url: str = "http://e",
+                      http_timeout_s: float = 120) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client that calls ``app`` in process."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=base_url, timeout=http_timeout_s) as c:
+        yield c
+
+
+@contextmanager
+def tinker_server(redis_url: str, root: Path) -> Iterator[Any]:
+    """The Tandem Tinker API (tests/tinker_server.py) on ``redis_url``, stopped on exit."""
+    from tests.tinker_server import TinkerServer
+
+    srv = TinkerServer(redis_url, root).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@contextmanager
+def tinker_service(base_url: str, api_key: str) -> Iterator[Any]:
+    """A ``tinker.ServiceClient`` of the server at ``base_url``, closed on exit."""
+    import tinker
+
+    client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+    try:
+        yield client
+    finally:
+        client.close("success").result()
