@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from selenium.common.exceptions import WebDriverException
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 
 from services.common.embedded_redis import free_port
 from tests.helpers import launch_up, wait_until
@@ -122,12 +122,24 @@ def test_charts_hold_points_for_both_agents_and_grow(live):
     assert not errors, errors  # no script error on the page
 
 
+def _click_first_episode(driver, tries: int = 20) -> str:
+    """Click the newest episode's row; the list is redrawn every 2 s, so a row found a moment ago may be
+    gone (stale) by the click: find it again."""
+    for _ in range(tries):
+        try:
+            row = driver.find_elements("css selector", "#episodes tbody tr")[0]
+            episode_id = row.get_attribute("data-episode")
+            row.click()
+            return episode_id
+        except StaleElementReferenceException:
+            time.sleep(0.1)
+    raise AssertionError(f"the episode list was redrawn under every one of {tries} clicks")
+
+
 def test_opening_a_transcript_shows_its_turns_and_rewards(live):
     driver = live["driver"]
     _wait(lambda: driver.find_elements("css selector", "#episodes tbody tr"), 60, "the episode list", live["proc"])
-    row = driver.find_elements("css selector", "#episodes tbody tr")[0]
-    episode_id = row.get_attribute("data-episode")
-    row.click()
+    episode_id = _click_first_episode(driver)
     turns = _wait(lambda: driver.find_elements("css selector", "#episode tr.turn"), 30, "the episode's turns")
     rec = httpx.get(f"{live['api']}/v1/episodes/{episode_id}", timeout=5).json()
     assert len(turns) == len(rec["turns"]) > 0
