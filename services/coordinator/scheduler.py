@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import random
 import time
 from typing import Any
@@ -32,7 +31,7 @@ from services.coordinator.dashboard.transcripts import save_tokens
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.report import write_report
-from services.coordinator.state import RunState
+from services.coordinator.state import RunState, finite
 from services.envs.registry import check_environment_config
 from services.play.episode import EpisodeResult, play_episode
 from services.play.evaluation import eval_roles, evaluate_player
@@ -40,10 +39,6 @@ from services.play.local import LocalPlayers, context_length
 
 log = logging.getLogger("tandem.coordinator")
 
-
-def finite(data: dict[str, Any]) -> dict[str, Any]:
-    """Metrics with NaN/inf replaced by None (JSON cannot carry them)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 
 TURN_TIMEOUT_S = 300.0
 ENGINE_WAIT_S = 1800.0  # SGLang engines can take minutes to load a real model

@@ -11,12 +11,18 @@ groups and no agent that still wants groups is blocked.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.config import TandemConfig
+
+
+def finite(data: dict[str, Any]) -> dict[str, Any]:
+    """Metrics with NaN/inf replaced by None (JSON cannot carry them)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 
 
 @dataclass
