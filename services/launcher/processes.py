@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class RestartBudget:
 
 
 @dataclass
-class Supervised:
+class Supervised(ABC):
     """Something the launcher restarts when it dies: a service process, or the embedded Redis."""
 
     name: str
@@ -67,14 +68,14 @@ class Supervised:
     history: deque[float] = field(default_factory=deque)  # times of the restarts still in the window
     due: float | None = None  # when the scheduled restart happens
 
-    def failed(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def failed(self) -> bool: ...
 
-    def exit_code(self) -> int | None:
-        raise NotImplementedError
+    @abstractmethod
+    def exit_code(self) -> int | None: ...
 
-    def respawn(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def respawn(self) -> None: ...
 
 
 @dataclass
