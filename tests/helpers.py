@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI
 
+from services.common.bus import Bus
 from services.contracts.messages import Sample
+from services.coordinator.ledger import GroupLedger
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +32,17 @@ def make_sample(group: str = "g", reward: float = 0.0, *, agent: str = "A", size
     return Sample(agent=agent, role="X", episode_id=episode_id, group_id=group, group_size=size, tokens=list(tokens),
                   loss_mask=list(loss_mask), rollout_logprobs=list(logprobs), reward=reward,
                   turn_weight_versions=[version], **extra)
+
+
+async def emit(bus: Bus, *samples: Sample) -> None:
+    """The coordinator's emission of ``samples`` (the real ledger, one transaction per group): their stream
+    entries and the group record the buffer takes membership and size from."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    ledger = GroupLedger(bus, sorted({s.agent for s in samples}))
+    for gid, members in groups.items():
+        await ledger.emit(gid, members, {})
 
 
 def completion_sample(prompt: Sequence[int], out: Sequence[int], reward: float, group: str, version: int = 0,

@@ -7,7 +7,7 @@ from services.common.bus import Bus
 from services.contracts.codec import decode
 from services.contracts.messages import Batch, Sample
 from services.coordinator.state import AgentState
-from tests.helpers import make_sample
+from tests.helpers import emit, make_sample
 
 
 def sample(group: str, reward: float, version: int = 0, size: int = 2, agent: str = "A") -> Sample:
@@ -22,6 +22,7 @@ async def test_redelivered_samples_are_stored_once_and_repeat_the_verdict(redis_
     bus = Bus(redis_url, "t", "buffer-A")
     store = SampleStore(bus, "A", groups_per_batch=2, max_staleness=0)
     a, b = sample("g1", 1.0), sample("g1", -1.0)
+    await emit(bus, a, b)
     assert await store.add(a) is None
     assert await store.add(a) is None  # redelivery before the group is complete
     verdict = await store.add(b)
@@ -36,9 +37,10 @@ async def test_redelivered_samples_are_stored_once_and_repeat_the_verdict(redis_
 async def test_a_batch_takes_whole_groups_once(redis_url):
     bus = Bus(redis_url, "t", "buffer-A")
     store = SampleStore(bus, "A", groups_per_batch=2, max_staleness=0, max_batches=1)
-    for g in ("g1", "g2", "g3", "g4"):
-        await store.add(sample(g, 1.0))
-        await store.add(sample(g, 0.0))
+    samples = [sample(g, r) for g in ("g1", "g2", "g3", "g4") for r in (1.0, 0.0)]
+    await emit(bus, *samples)
+    for s in samples:
+        await store.add(s)
     released, dropped = await store.release()
     assert len(released) == 1 and not dropped  # max_batches caps the run's last step
     (batch,) = await batches(bus)
@@ -52,10 +54,10 @@ async def test_stale_groups_are_dropped_and_reported_as_once_kept(redis_url):
     bus = Bus(redis_url, "t", "buffer-A")
     store = SampleStore(bus, "A", groups_per_batch=1, max_staleness=0)
     await bus.redis.set(store.k_released, 3)  # the next batch trains towards version 4
-    await store.add(sample("old", 1.0, version=1))
-    await store.add(sample("old", 0.0, version=1))
-    await store.add(sample("new", 1.0, version=3))
-    await store.add(sample("new", 0.0, version=3))
+    samples = [sample(g, r, version=v) for g, v in (("old", 1), ("new", 3)) for r in (1.0, 0.0)]
+    await emit(bus, *samples)
+    for s in samples:
+        await store.add(s)
     released, dropped = await store.release()
     assert [d.group_id for d in dropped] == ["old"] and dropped[0].was_kept and dropped[0].reason == "stale"
     assert [b.step for b in released] == [4]
@@ -66,8 +68,10 @@ async def test_stale_groups_are_dropped_and_reported_as_once_kept(redis_url):
 async def test_zero_variance_filter_and_wrong_agent(redis_url):
     bus = Bus(redis_url, "t", "buffer-A")
     store = SampleStore(bus, "A", groups_per_batch=1, max_staleness=0, filter_zero_variance=True)
-    await store.add(sample("flat", 1.0))
-    verdict = await store.add(sample("flat", 1.0))
+    flat = [sample("flat", 1.0), sample("flat", 1.0)]
+    await emit(bus, *flat)
+    await store.add(flat[0])
+    verdict = await store.add(flat[1])
     assert verdict is not None and not verdict.kept and verdict.reason == "zero reward variance"
     assert await bus.redis.hlen(store.k_samples) == 0
     try:

@@ -45,9 +45,13 @@ async def test_every_group_ends_in_exactly_one_state(redis_url: str) -> None:
         await ledger.launch(gid, i, {"A"})
     await ledger.emit("kept", [sample("kept", 1.0), sample("kept", 0.0)], {})
     await ledger.emit("flat", [sample("flat", 1.0), sample("flat", 1.0)], {})
-    await ledger.emit("lost", [sample("lost", 1.0)], {})  # its second sample never arrives
-    await ledger.emit("late", [sample("late", 1.0)], {})
+    late = sample("late", 0.0)
+    await ledger.emit("lost", [sample("lost", 1.0), sample("lost", 0.0)], {})
+    await ledger.emit("late", [sample("late", 1.0), late], {})
     await ledger.abandon("timed-out", {"A"}, "timeout: still playing after 5s")
+    stream = bus.streams.samples("A")  # the second sample of "lost" and of "late" never arrives (trimmed)
+    entries = await bus.redis.xrange(stream)
+    await bus.redis.xdel(stream, entries[5][0], entries[7][0])
     await consume_samples(bus, store)
     assert await store.abandon_overdue(60.0) == []  # not overdue yet
     abandoned = await store.abandon_overdue(60.0, now=time.time() + 61)
@@ -55,7 +59,7 @@ async def test_every_group_ends_in_exactly_one_state(redis_url: str) -> None:
     assert all(v.outcome == "abandoned" and v.reason.startswith("timeout") for v in abandoned)
     assert await store.abandon_overdue(60.0, now=time.time() + 120) == []  # decided once
     # the late sample arrives after the abandonment: not stored, the verdict stays
-    verdict = await store.add(sample("late", 0.0))
+    verdict = await store.add(late)
     assert verdict is not None and verdict.outcome == "abandoned"
     assert await bus.redis.hlen(store.k_samples) == 2  # only the kept group's samples remain
     # the kept group cannot be abandoned or kept again; a stale drop is its one allowed change
@@ -76,10 +80,13 @@ async def test_a_dead_lettered_sample_abandons_its_group_after_the_timeout(redis
     ledger = GroupLedger(bus, ["A"])
     store = SampleStore(bus, "A", groups_per_batch=1, max_staleness=0)
     await ledger.launch("g", 0, {"A"})
-    await ledger.emit("g", [sample("g", 1.0)], {})
-    bad = sample("g", 0.0).model_dump()
-    bad["loss_mask"] = [0, 0, 0]  # fails validation at the buffer: dead-lettered at once
-    await bus.redis.xadd(bus.streams.samples("A"), {FIELD: encode(Sample.model_construct(**bad))})
+    member = sample("g", 0.0)
+    await ledger.emit("g", [sample("g", 1.0), member], {})
+    stream = bus.streams.samples("A")
+    await bus.redis.xdel(stream, (await bus.redis.xrange(stream))[1][0])
+    bad = member.model_dump()
+    bad["loss_mask"] = [0, 0, 0]  # the member arrives corrupt: fails validation at the buffer, dead-lettered at once
+    await bus.redis.xadd(stream, {FIELD: encode(Sample.model_construct(**bad))})
     await consume_samples(bus, store)
     assert await bus.redis.xlen(bus.streams.deadletter) == 1
     assert await bus.redis.hget(store.k_verdicts, "g") is None  # incomplete: without the timeout, for good

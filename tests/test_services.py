@@ -37,7 +37,7 @@ from services.contracts.messages import (
 from services.rollout.service import RolloutService
 from services.trainer.service import TrainerService
 from services.training.backends import Policy, make_policy
-from tests.helpers import make_sample
+from tests.helpers import emit, make_sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,11 +104,13 @@ async def test_buffer_handler_reports_the_verdict_and_releases_the_batch(redis_u
     cfg = config(tmp_path, tiny_model_dir, groups_per_batch=1, filter_zero_variance=True)
     bus = Bus(redis_url, "t", "buffer-A")
     buffer = BufferService(cfg, "A", bus)
-    await buffer.on_sample(sample("g1", 1.0))
+    g1, g2 = [sample("g1", 1.0), sample("g1", 0.0)], [sample("g2", 1.0), sample("g2", 1.0)]
+    await emit(bus, *g1, *g2)
+    await buffer.on_sample(g1[0])
     assert await entries(bus, bus.streams.events, Event) == []
-    await buffer.on_sample(sample("g1", 0.0))
-    await buffer.on_sample(sample("g2", 1.0))
-    await buffer.on_sample(sample("g2", 1.0))  # zero variance: dropped
+    await buffer.on_sample(g1[1])
+    await buffer.on_sample(g2[0])
+    await buffer.on_sample(g2[1])  # zero variance: dropped
     with pytest.raises(Reject, match="sample of agent 'B' reached the buffer of 'A'"):
         await buffer.on_sample(sample("g3", 1.0, agent="B"))
     (batch,) = await entries(bus, bus.streams.batches("A"), Batch)

@@ -5,9 +5,9 @@ passed on by the rollout (an SGLang-shaped server that misbehaves stands in for 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,11 @@ from pydantic import ValidationError
 from services.buffer.service import BufferService
 from services.common.bus import Bus, Reject
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
-from services.contracts.codec import FIELD, decode
+from services.contracts.codec import FIELD, decode, encode
 from services.contracts.config import TandemConfig, parse_config
 from services.contracts.messages import (
+    Batch,
+    DeadLetter,
     Event,
     GenerateReply,
     GenerateRequest,
@@ -30,6 +32,7 @@ from services.contracts.messages import (
 )
 from services.rollout.engine_client import EngineClient
 from services.rollout.service import RolloutService
+from tests.helpers import emit
 
 GOOD: dict[str, Any] = {"agent": "A", "role": "X", "episode_id": "e", "group_id": "g", "group_size": 2,
                         "tokens": [5, 6, 40], "loss_mask": [0, 1, 1], "rollout_logprobs": [0.0, -1.0, -0.5],
@@ -85,10 +88,12 @@ async def test_buffer_rejects_an_out_of_vocabulary_sample_alone_and_abandons_its
     bus = Bus(redis_url, "wv", "buffer-A")
     s = bus.streams
     buffer = BufferService(cfg, "A", bus)
-    now = time.time()
-    await bus.redis.zadd(s.groups_pending("A"), {"g1": now, "g2": now})  # the coordinator emitted both
-    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g1"}))
-    bad = Sample(**{**GOOD, "group_id": "g1", "tokens": [5, 6, 10**6]})
+    g1 = [Sample(**{**GOOD, "group_id": "g1", "group_size": 3, "tokens": tokens, "reward": r})
+          for tokens, r in (([5, 6, 40], 1.0), ([5, 6, 10**6], 1.0), ([5, 6, 40], 0.0))]
+    g2 = [Sample(**{**GOOD, "group_id": "g2", "reward": r}) for r in (1.0, 0.0)]
+    await emit(bus, *g1, *g2)  # the coordinator emitted both (a buggy environment made g1's second sample)
+    await buffer.on_sample(g1[0])
+    bad = g1[1]
     with pytest.raises(Reject, match=f"sample {bad.id} of group g1: tokens\\[2\\] = 1000000 is not a token id"):
         await buffer.on_sample(bad)
     events = [e for _, f in await bus.redis.xrange(s.events) for e in [decode(f[FIELD], Event)]]
@@ -98,14 +103,58 @@ async def test_buffer_rejects_an_out_of_vocabulary_sample_alone_and_abandons_its
     assert await bus.redis.hlen(s.buffer_samples("A")) == 0  # the group's stored sample is gone
     with pytest.raises(Reject):  # a redelivery: rejected again, reported once
         await buffer.on_sample(bad)
-    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g1", "reward": 0.0}))  # late member: not stored
+    await buffer.on_sample(g1[2])  # late member: not stored
     assert await bus.redis.hlen(s.buffer_samples("A")) == 0  # (the verdict on record is repeated, as always)
     again = [decode(f[FIELD], Event) for _, f in await bus.redis.xrange(s.events)]
     assert [(e.group_id, e.outcome, e.reason) for e in again] == [("g1", "abandoned", events[0].reason)] * 2
-    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g2"}))  # other groups go on
-    await buffer.on_sample(Sample(**{**GOOD, "group_id": "g2", "reward": 0.0}))
+    for member in g2:  # other groups go on
+        await buffer.on_sample(member)
     assert await bus.redis.xlen(s.batches("A")) == 1
     await bus.close()
+
+
+async def test_buffer_takes_group_size_and_membership_from_the_coordinators_record(
+        redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Forged samples on the real stream, read by the buffer's real consumer loop: a group of one the coordinator
+    never emitted, an intruder claiming to complete a real group alone, and a member claiming a group size of 1.
+    Each is dead-lettered with its reason; the good samples of the real groups are still released."""
+    cfg = config(tmp_path, tiny_model_dir)
+    bus = Bus(redis_url, "wv", "buffer-A")
+    s = bus.streams
+    buffer = BufferService(cfg, "A", bus)
+    g1 = [Sample(**{**GOOD, "group_id": "g1", "reward": r}) for r in (1.0, 0.0)]
+    g2 = [Sample(**{**GOOD, "group_id": "g2", "reward": r}) for r in (1.0, 0.0)]
+    forged = {"alone": Sample(**{**GOOD, "group_id": "forged", "group_size": 1}),
+              "intruder": Sample(**{**GOOD, "group_id": "g1", "group_size": 1}),
+              "member": g2[0].model_copy(update={"group_size": 1})}
+    for f in forged.values():  # ahead of the real samples
+        await bus.publish(s.samples("A"), f)
+    await emit(bus, *g1, *g2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(s.samples("A"), "buffer", "buffer-A", buffer.on_sample, stop, block_ms=50))
+    await wait_for(lambda: bus.redis.xlen(s.deadletter), 3)
+    await wait_for(lambda: bus.redis.xlen(s.batches("A")), 1)
+    stop.set()
+    await task
+    letters = {d.payload: d.reason for _, f in await bus.redis.xrange(s.deadletter)
+               for d in [decode(f[FIELD], DeadLetter)]}
+    reasons = {name: letters[encode(f)] for name, f in forged.items()}
+    assert "the coordinator emitted no group 'forged' to agent 'A'" in reasons["alone"]
+    assert "not one of the 2 samples the coordinator emitted in the group" in reasons["intruder"]
+    assert "group_size = 1 disagrees with the coordinator's record of the group (2 samples)" in reasons["member"]
+    (batch,) = [decode(f[FIELD], Batch) for _, f in await bus.redis.xrange(s.batches("A"))]
+    assert {x.id for x in batch.samples} == {x.id for x in g1}  # the real group went on, the intruder did not
+    verdicts = {e.group_id: e.outcome for _, f in await bus.redis.xrange(s.events)
+                for e in [decode(f[FIELD], Event)] if e.kind == "group_done"}
+    assert verdicts == {"g1": "kept", "g2": "abandoned"}  # g2 lost a member: abandoned at once, accounted for
+    await bus.close()
+
+
+async def wait_for(count: Any, target: int, timeout: float = 20.0) -> None:  # noqa: ASYNC109
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await count() < target:
+        assert asyncio.get_running_loop().time() < deadline, f"still {await count()} of {target} after {timeout}s"
+        await asyncio.sleep(0.05)
 
 
 def engine_reply(output_ids: list[int], logprobs: list[float]) -> httpx.Response:

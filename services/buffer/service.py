@@ -4,9 +4,12 @@ A stored sample that completes its group gets the group's verdict (``group_done`
 that can then be formed is released to ``batches:{agent}`` (``batch_released``), and groups found
 stale at release are reported dropped.
 
-A sample whose token ids fall outside the agent's vocabulary (its model's ``config.json``) is rejected
-alone (``Reject``: dead-lettered with the reason); its group is abandoned at once and reported, so the
-coordinator replaces it without waiting for the group timeout.
+A sample is checked against the coordinator's record of its group first (store.py ``vouch``): one the
+coordinator never emitted (an unknown group, an id not among the group's members) is rejected alone and
+its group, if any, goes on untouched. A member that claims a ``group_size`` other than the record's, or
+whose token ids fall outside the agent's vocabulary (its model's ``config.json``), is rejected alone
+(``Reject``: dead-lettered with the reason); its group is abandoned at once and reported, so the
+coordinator replaces it without waiting for the group timeout (docs/architecture.md §2.3).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 
-from services.buffer.store import GroupVerdict, SampleStore
+from services.buffer.store import GroupVerdict, SampleStore, Unvouched
 from services.common.bus import Bus, Reject
 from services.common.tokens import ids_problem, vocab_size
 from services.contracts.config import TandemConfig
@@ -40,10 +43,16 @@ class BufferService:
     async def on_sample(self, sample: Sample) -> None:
         if sample.agent != self.agent:
             raise Reject(f"sample of agent {sample.agent!r} reached the buffer of {self.agent!r}")
+        try:
+            members = await self.store.vouch(sample)
+        except Unvouched as exc:
+            if exc.member:  # the group loses this member
+                await self.reject(sample, str(exc))
+            raise Reject(f"sample {sample.id} of group {sample.group_id}: {exc}") from None
         problem = ids_problem(sample.tokens, self.vocab, "tokens")
         if problem is not None:
             await self.reject(sample, problem)
-        verdict = await self.store.add(sample)
+        verdict = await self.store.add(sample, members)
         if verdict is not None:
             await self.report(verdict)
             await self.release()

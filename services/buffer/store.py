@@ -3,8 +3,12 @@
 One buffer process per agent (its consumer group reads with concurrency 1).
 
 A sample is durable (HSET) before its stream entry is acknowledged, and
-storing it twice is a no-op, so redelivery never duplicates. A group is
-complete when ``group_size`` samples of it are stored; it is then kept
+storing it twice is a no-op, so redelivery never duplicates. Who is in a group is
+the coordinator's record (its ledger entry, ``streams.group_ledger``: the ids of the samples
+it emitted to this agent), never the sample's claim: a sample of a group the coordinator never
+emitted here, or not among its members, or whose ``group_size`` disagrees with the record, is
+refused (``Unvouched``; docs/architecture.md §2.3). A group is
+complete when every member of it is stored; it is then kept
 (pushed on the ready queue) or dropped (zero-variance filter). A batch takes
 the ``groups_per_batch`` oldest ready groups, drops any that are staler than
 ``max_staleness`` for the step it trains towards, and is written to
@@ -22,6 +26,7 @@ dead-lettered (the reason is taken from the dead-letter stream) or never arrived
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 
@@ -45,6 +50,29 @@ else
 end
 return ARGV[2]
 """
+
+
+class Unvouched(ValueError):
+    """A sample the coordinator's record does not vouch for. ``member``: its id is one the coordinator
+    emitted in that group (so refusing it costs the group a member)."""
+
+    def __init__(self, message: str, member: bool) -> None:
+        super().__init__(message)
+        self.member = member
+
+
+def vouch(sample: Sample, members: list[str] | None, agent: str) -> list[str]:
+    """The group's members as the coordinator recorded them, when ``sample`` is one of them and claims the
+    recorded size; ``Unvouched`` naming the reason otherwise."""
+    if members is None:
+        raise Unvouched(f"the coordinator emitted no group {sample.group_id!r} to agent {agent!r}", member=False)
+    if sample.id not in members:
+        raise Unvouched(f"not one of the {len(members)} samples the coordinator emitted in the group",
+                        member=False)
+    if sample.group_size != len(members):
+        raise Unvouched(f"group_size = {sample.group_size} disagrees with the coordinator's record of the group "
+                        f"({len(members)} samples)", member=True)
+    return members
 
 
 @dataclass
@@ -75,6 +103,7 @@ class SampleStore:
         self.k_verdicts = s.buffer_verdicts(agent)
         self.k_pending = s.groups_pending(agent)
         self.k_released = s.batches_released(agent)
+        self.k_ledger = s.group_ledger(agent)
         self._decide = bus.redis.register_script(DECIDE)
         self.lock = asyncio.Lock()  # a sample's store-and-decide and the timeout sweep never interleave
 
@@ -90,8 +119,25 @@ class SampleStore:
         got = await self._decide(keys=keys, args=[group_id, raw, "1" if outcome == "kept" else "0", *ids])
         return GroupVerdict.parse(group_id, got.decode() if isinstance(got, bytes) else str(got))
 
-    async def add(self, sample: Sample) -> GroupVerdict | None:
+    async def members(self, group_id: str) -> list[str] | None:
+        """The ids of the samples the coordinator emitted to this agent in ``group_id`` (its ledger entry,
+        written in the transaction that published them); None for a group it never emitted here."""
+        raw = await self.bus.redis.hget(self.k_ledger, group_id)
+        try:
+            ids = json.loads(raw).get("samples") if raw is not None else None
+        except (ValueError, AttributeError):
+            return None
+        return [str(i) for i in ids] if isinstance(ids, list) else None
+
+    async def vouch(self, sample: Sample) -> list[str]:
+        """``sample``'s group members from the coordinator's record; ``Unvouched`` when it is not one."""
+        return vouch(sample, await self.members(sample.group_id), self.agent)
+
+    async def add(self, sample: Sample, members: list[str] | None = None) -> GroupVerdict | None:
         """Store a sample; return the group's verdict once the group is complete.
+
+        The group's ``members`` are the coordinator's record (read here when not given); a sample it does
+        not vouch for raises ``Unvouched`` and is not stored.
 
         Safe to repeat: storing is keyed by sample id, and the verdict of a group
         is decided once, recorded with the ready-queue push in one script,
@@ -100,10 +146,11 @@ class SampleStore:
         group already decided (say, abandoned) is not stored."""
         if sample.agent != self.agent:
             raise ValueError(f"sample of agent {sample.agent!r} reached the buffer of {self.agent!r}")
+        members = vouch(sample, members, self.agent) if members is not None else await self.vouch(sample)
         async with self.lock:
-            return await self._add(sample)
+            return await self._add(sample, len(members))
 
-    async def _add(self, sample: Sample) -> GroupVerdict | None:
+    async def _add(self, sample: Sample, expected: int) -> GroupVerdict | None:
         r = self.bus.redis
         decided = await r.hget(self.k_verdicts, sample.group_id)
         if decided is not None:  # a redelivery after the verdict: store nothing, repeat the verdict
@@ -113,7 +160,7 @@ class SampleStore:
             pipe.sadd(self.k_group(sample.group_id), sample.id)
             pipe.scard(self.k_group(sample.group_id))
             _, _, size = await pipe.execute()
-        if size < sample.group_size:
+        if size < expected:
             return None
         samples = await self.group_samples(sample.group_id)
         if self.filter_zero_variance and len({s.reward for s in samples}) == 1:

@@ -79,6 +79,13 @@ class Streams:
         buffer removes a group when it records its verdict, and abandons one left past the group timeout."""
         return self.key(f"groups:{agent}:pending")
 
+    def group_ledger(self, agent: str) -> str:
+        """Hash: group id -> the coordinator's JSON record of the agent's part of the group (its owner:
+        coordinator/ledger.py). Once emitted: ``{"state": "emitted", "at", "reward", "samples": [sample ids]}``,
+        written in the transaction that publishes those samples; the buffer reads the membership and size of
+        a group from it, never from a sample's own claim (docs/architecture.md §2.3, §10)."""
+        return self.key(f"coord:ledger:{agent}")
+
     def batches_released(self, agent: str) -> str:
         """Counter: batches the buffer released for the agent (the next batch trains towards this + 1); the
         trainer counts a batch it skipped (non-finite step) back down, so the buffer releases one in its place."""

@@ -9,9 +9,11 @@ the coordinator restarting while it played.
 
 One owner per fact: this ledger (``coord:ledger:{agent}``) holds what the coordinator
 decides, the buffer's ``buffer_verdicts`` what the buffer decides; ``outcomes`` joins the
-two. Emission is one transaction: every sample of the group, its ledger entries and its
-place in the buffer's ``groups_pending`` — so a group is emitted wholly or not at all, and
-a coordinator that dies knows exactly which groups no sample of will ever arrive for.
+two. Emission is one transaction: every sample of the group, its ledger entries (with the ids
+of the samples emitted, which the buffer takes as the group's membership and size rather than
+trusting a sample's claim) and its place in the buffer's ``groups_pending`` — so a group is
+emitted wholly or not at all, and a coordinator that dies knows exactly which groups no sample
+of will ever arrive for.
 
 Why in-flight episodes are abandoned rather than re-run after a restart: an episode's
 state (the environment, the token views) lives in the process that died; rebuilding it
@@ -50,7 +52,7 @@ class GroupLedger:
         self.k_launched = bus.streams.key("coord:groups_launched")
 
     def key(self, agent: str) -> str:
-        return self.bus.streams.key(f"coord:ledger:{agent}")
+        return self.bus.streams.group_ledger(agent)
 
     async def launch(self, group_id: str, index: int, agents: set[str]) -> None:
         """The group starts playing; the run's group counter moves past ``index`` in the same step."""
@@ -68,14 +70,17 @@ class GroupLedger:
         Returns each emitted agent's mean reward in the group."""
         now = time.time()
         rewards: dict[str, list[float]] = {}
+        ids: dict[str, list[str]] = {}
         s = self.bus.streams
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             for sample in samples:
                 pipe.xadd(s.samples(sample.agent), {FIELD: encode(sample)})
                 rewards.setdefault(sample.agent, []).append(sample.reward)
+                ids.setdefault(sample.agent, []).append(sample.id)
             means = {a: sum(rs) / len(rs) for a, rs in rewards.items()}
-            for agent, mean in means.items():
-                pipe.hset(self.key(agent), group_id, json.dumps({"state": "emitted", "at": now, "reward": mean}))
+            for agent, mean in means.items():  # the buffer's record of who is in the group (streams.group_ledger)
+                entry = {"state": "emitted", "at": now, "reward": mean, "samples": ids[agent]}
+                pipe.hset(self.key(agent), group_id, json.dumps(entry))
                 pipe.zadd(s.groups_pending(agent), {group_id: now})
             for agent, reason in empty.items():
                 pipe.hset(self.key(agent), group_id, json.dumps({"state": "abandoned", "at": now, "reason": reason}))
