@@ -40,7 +40,7 @@ MESSAGES = [
                   output_logprobs=[-0.1, -0.2], finish_reason="stop", weight_version=2, engine="A-0"),
     SAMPLE,
     Batch(agent="A", step=1, samples=[SAMPLE]),
-    WeightsUpdate(agent="A", version=1, path="/tmp/x", checksum="ab"),
+    WeightsUpdate(agent="A", version=1, path="/tmp/x", checksum="ab", signature="cd"),
     TrainStep(source="t", agent="A", version=1, batch_step=1, metrics={"loss": 0.5, "backend": "torch"}),
     WeightsLoaded(source="t", agent="A", version=1, path="/tmp/x", engines=["http://e0"]),
     GroupDone(source="t", agent="A", group_id="g", outcome="abandoned", reason="a sample was dead-lettered"),
@@ -55,7 +55,7 @@ MESSAGES = [
 def test_round_trip_is_exact(msg):
     again = decode(encode(msg), type(msg))
     assert again == msg
-    assert again.schema_version == 2 and again.id == msg.id and again.created_at == msg.created_at
+    assert again.schema_version == 3 and again.id == msg.id and again.created_at == msg.created_at
 
 
 def test_events_decode_to_their_kind_and_bad_ones_name_the_field():
@@ -79,6 +79,20 @@ def test_events_decode_to_their_kind_and_bad_ones_name_the_field():
                               "schema_version": 1}), Event)
     with pytest.raises(ValidationError, match="command"):
         Control(command="eval")
+
+
+def test_schema_3_weights_updates_are_signed():
+    """``signature`` came with schema 3: a schema-2 update is refused for its schema, a schema-3 one without a
+    signature for the missing field (before any rollout checks it)."""
+    signed = WeightsUpdate(agent="A", version=1, path="/tmp/x", checksum="ab", signature="cd").model_dump()
+    unsigned = {k: v for k, v in signed.items() if k != "signature"}
+    with pytest.raises(ValidationError, match="schema_version"):
+        decode(msgpack.packb({**unsigned, "schema_version": 2}), WeightsUpdate)
+    with pytest.raises(ValidationError, match="signature"):
+        decode(msgpack.packb(unsigned), WeightsUpdate)
+    with pytest.raises(ValidationError, match="signature"):
+        decode(msgpack.packb({**signed, "signature": ""}), WeightsUpdate)
+    assert decode(msgpack.packb(signed), WeightsUpdate).signature == "cd"
 
 
 def test_ids_are_unique():

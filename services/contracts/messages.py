@@ -12,6 +12,10 @@ check that (``services.common.tokens``).
 Schema 2: events are a discriminated union on ``kind`` (one model per kind, typed fields in place
 of a ``data`` dict); the never-sent event kinds ``health`` and ``error`` and the never-sent
 control command ``eval`` are gone.
+
+Schema 3 (docs/architecture.md §2.3): ``WeightsUpdate`` carries a required ``signature`` (HMAC of the
+update with the run's secret) next to its ``checksum``. A schema-2 producer's update (no signature) is
+rejected at decode naming ``schema_version``, not refused later as merely unsigned.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -38,7 +42,7 @@ def new_id() -> str:
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     id: str = Field(default_factory=new_id, min_length=1)
     created_at: float = Field(default_factory=time.time)
 
@@ -152,8 +156,8 @@ class WeightsUpdate(Message):
     agent: str
     version: int = Field(ge=1)
     path: str
-    checksum: str
-    signature: str = ""
+    checksum: str = Field(min_length=1)
+    signature: str = Field(min_length=1)
 
 
 class EventBase(Message):
