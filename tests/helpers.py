@@ -23,6 +23,8 @@ from services.coordinator.ledger import GroupLedger
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
+ADMIN_TOKEN = "test-admin-token"  # the admin token the tests' engines and routers are given
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def make_sample(group: str = "g", reward: float = 0.0, *, agent: str = "A", size: int = 2, version: int = 0,
@@ -92,10 +94,11 @@ async def first_response(client: httpx.AsyncClient, path: str, tries: int = 100)
 
 @contextmanager
 def engine_app(model_dir: Path, **options: Any) -> Iterator[FastAPI]:
-    """The embedded engine's app (``create_app(model_dir, **options)``), its engine stopped on exit."""
+    """The embedded engine's app (``create_app(model_dir, **options)``; admin token ``ADMIN_TOKEN`` unless
+    given), its engine stopped on exit."""
     from services.engine.server import create_app
 
-    app = create_app(model_dir, **options)
+    app = create_app(model_dir, **{"admin_token": ADMIN_TOKEN, **options})
     try:
         yield app
     finally:
@@ -103,11 +106,12 @@ def engine_app(model_dir: Path, **options: Any) -> Iterator[FastAPI]:
 
 
 @asynccontextmanager
-async def asgi_client(app: FastAPI, base_url: str = "http://e",
-                      http_timeout_s: float = 120) -> AsyncIterator[httpx.AsyncClient]:
-    """An httpx client that calls ``app`` in process."""
+async def asgi_client(app: FastAPI, base_url: str = "http://e", http_timeout_s: float = 120,
+                      headers: dict[str, str] | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client that calls ``app`` in process (sending ``headers`` with every request)."""
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url=base_url, timeout=http_timeout_s) as c:
+    async with httpx.AsyncClient(transport=transport, base_url=base_url, timeout=http_timeout_s,
+                                 headers=headers) as c:
         yield c
 
 

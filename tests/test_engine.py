@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from services.contracts.sglang_api import GenerateReqOutput
 from services.inference.generator import Engine
-from tests.helpers import asgi_client, engine_app
+from tests.helpers import ADMIN, asgi_client, engine_app
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def app(tiny_model_dir: Path) -> Iterator[FastAPI]:
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with asgi_client(app, base_url="http://engine", http_timeout_s=60.0) as c:
+    async with asgi_client(app, base_url="http://engine", http_timeout_s=60.0, headers=ADMIN) as c:
         yield c
 
 
@@ -254,3 +254,21 @@ async def test_update_weights_from_disk(client: httpx.AsyncClient, app: FastAPI,
     assert restored.output_ids == before.output_ids and restored.meta_info.weight_version == "0"
     assert json.dumps(restored.meta_info.output_token_logprobs) == json.dumps(
         before.meta_info.output_token_logprobs)
+
+
+async def test_admin_routes_need_the_admin_token(app: FastAPI, tiny_model_dir: Path) -> None:
+    """Without the bearer token (or with another) every admin route answers 401 before reading its body, so a
+    probe learns nothing of the disk; an engine started without a token keeps its admin routes closed."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        async with asgi_client(app, base_url="http://engine", headers=headers) as anon:
+            probe = await anon.post("/update_weights_from_disk", json={"model_path": "/etc"})
+            assert probe.status_code == 401 and "/etc" not in probe.text
+            assert "Authorization: Bearer" in probe.json()["error"]["message"]
+            for path in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"):
+                assert (await anon.post(path, json={})).status_code == 401, path
+            assert (await anon.get("/get_model_info")).status_code == 200
+    assert not _engine(app).paused
+    with engine_app(tiny_model_dir, admin_token=None) as closed:
+        async with asgi_client(closed, headers=ADMIN) as c:
+            resp = await c.post("/pause_generation")
+            assert resp.status_code == 401 and "TANDEM_ADMIN_TOKEN" in resp.text

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.training.grpo import token_logprobs
-from tests.helpers import asgi_client, engine_app
+from tests.helpers import ADMIN, asgi_client, engine_app
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def app(tiny_model_dir: Path) -> Iterator[FastAPI]:
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with asgi_client(app) as c:
+    async with asgi_client(app, headers=ADMIN) as c:
         yield c
 
 

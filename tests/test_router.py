@@ -1,7 +1,8 @@
 """Two embedded engines behind the real SGLang router (sglang-router), all real processes.
 
 Round-robin over both engines, SGLang reply parsing through ``EngineClient``,
-weight updates per engine, and removing / adding a worker at run time.
+weight updates per engine, and removing / adding a worker at run time; the run's admin token
+guards the engines' admin routes and the router's worker admin and data plane.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
+from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.embedded_redis import free_port
 from services.common.sglang_router import add_worker, list_workers, remove_worker, router_command, wait_healthy
 from services.rollout.engine_client import EngineClient, EngineClientError
+from tests.helpers import ADMIN_TOKEN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +50,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("router-logs")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: ADMIN_TOKEN}
     procs: list[subprocess.Popen[bytes]] = []
     files = [(logs / name).open("wb") for name in ("engine0.log", "engine1.log", "router.log")]
     try:
@@ -59,14 +63,14 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=files[i],
                                           stderr=subprocess.STDOUT))
         rport = free_port()
-        procs.append(subprocess.Popen(router_command(rport, urls), cwd=REPO, env=env,
+        procs.append(subprocess.Popen(router_command(rport, urls, admin_token=ADMIN_TOKEN), cwd=REPO, env=env,
                                       stdout=files[2], stderr=subprocess.STDOUT))
         router_url = f"http://127.0.0.1:{rport}"
 
         async def ready() -> None:
-            await asyncio.gather(*(wait_healthy(u, timeout=60) for u in [*urls, router_url]))
+            await asyncio.gather(*(wait_healthy(u, timeout=180) for u in [*urls, router_url]))  # a loaded machine
             for _ in range(300):
-                if sorted(await list_workers(router_url, healthy_only=True)) == sorted(urls):
+                if sorted(await list_workers(router_url, healthy_only=True, token=ADMIN_TOKEN)) == sorted(urls):
                     return
                 await asyncio.sleep(0.1)
             raise TimeoutError(f"router never listed both engines; see {logs}")
@@ -93,22 +97,22 @@ async def _burst(client: EngineClient, n: int, tag: str) -> list[str | None]:
 
 async def test_round_robin_and_worker_admin(cluster: Cluster) -> None:
     e0, e1 = cluster.engine_urls
-    async with EngineClient(cluster.router_url, timeout=30.0) as client:
+    async with EngineClient(cluster.router_url, timeout=30.0, token=ADMIN_TOKEN) as client:
         served = Counter(await _burst(client, 8, "rr"))
         assert set(served) == {"engine-0", "engine-1"}, served
         assert min(served.values()) >= 2, served  # round robin spreads them
 
-        await remove_worker(cluster.router_url, e1)
-        assert await list_workers(cluster.router_url) == [e0]
+        await remove_worker(cluster.router_url, e1, token=ADMIN_TOKEN)
+        assert await list_workers(cluster.router_url, token=ADMIN_TOKEN) == [e0]
         assert set(await _burst(client, 4, "only0")) == {"engine-0"}
 
-        await add_worker(cluster.router_url, e1)
-        assert sorted(await list_workers(cluster.router_url)) == sorted([e0, e1])
+        await add_worker(cluster.router_url, e1, token=ADMIN_TOKEN)
+        assert sorted(await list_workers(cluster.router_url, token=ADMIN_TOKEN)) == sorted([e0, e1])
         assert set(await _burst(client, 8, "back")) == {"engine-0", "engine-1"}
 
 
 async def test_weight_update_through_client(cluster: Cluster) -> None:
-    async with EngineClient(cluster.router_url, timeout=30.0) as client:
+    async with EngineClient(cluster.router_url, timeout=30.0, token=ADMIN_TOKEN) as client:
         for url in cluster.engine_urls:
             await client.update_weights(url, str(cluster.model_dir), 3)
             assert await client.get_weight_version(url) == 3
@@ -119,3 +123,24 @@ async def test_weight_update_through_client(cluster: Cluster) -> None:
         assert await client.get_weight_version(cluster.engine_urls[0]) == 3
         with pytest.raises(EngineClientError, match="400"):
             await client.generate([10**6], {"max_new_tokens": 2}, "bad-token")
+
+
+async def test_admin_routes_need_the_runs_token(cluster: Cluster) -> None:
+    """Without the token (or with another): the engines' admin routes and the router's worker admin and
+    data plane answer 401, and a probe learns nothing of the disk; health and info stay open."""
+    e0 = cluster.engine_urls[0]
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": ADMIN_TOKEN}):
+        async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
+            probe = await http.post(f"{e0}/update_weights_from_disk", json={"model_path": "/etc"})
+            assert probe.status_code == 401 and "/etc" not in probe.text, probe.text
+            for path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+                assert (await http.post(f"{e0}{path}")).status_code == 401, path
+            assert (await http.post(f"{e0}/abort_request", json={"abort_all": True})).status_code == 401
+            assert (await http.get(f"{cluster.router_url}/workers")).status_code == 401
+            forged = await http.post(f"{cluster.router_url}/workers", json={"url": "http://127.0.0.1:9"})
+            assert forged.status_code == 401
+            gen = await http.post(f"{cluster.router_url}/generate", json={"input_ids": [5], "sampling_params": {}})
+            assert gen.status_code == 401
+            assert (await http.get(f"{e0}/get_model_info")).status_code == 200
+            assert (await http.get(f"{cluster.router_url}/health")).status_code == 200
+    assert sorted(await list_workers(cluster.router_url, token=ADMIN_TOKEN)) == sorted(cluster.engine_urls)

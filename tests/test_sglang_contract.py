@@ -27,6 +27,7 @@ from services.contracts import sglang_api as api
 from services.contracts.messages import SamplingParams
 from services.engine import server
 from services.rollout.engine_client import EngineClient
+from tests.helpers import ADMIN, ADMIN_TOKEN
 
 PINNED = "0.5.23"
 
@@ -109,7 +110,7 @@ def _routes(tree: ast.Module) -> set[str]:
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir: Path) -> Iterator[FastAPI]:
-    app = server.create_app(tiny_model_dir, engine_id="contract")
+    app = server.create_app(tiny_model_dir, engine_id="contract", admin_token=ADMIN_TOKEN)
     try:
         yield app
     finally:
@@ -132,7 +133,7 @@ class _Recorder(httpx.ASGITransport):
 @pytest.fixture
 async def wire(app: FastAPI) -> AsyncIterator[tuple[EngineClient, _Recorder]]:
     rec = _Recorder(app)
-    async with EngineClient("http://engine", timeout=60.0, transport=rec) as client:
+    async with EngineClient("http://engine", timeout=60.0, transport=rec, token=ADMIN_TOKEN) as client:
         yield client, rec
 
 
@@ -185,7 +186,7 @@ async def test_rollout_requests_and_engine_replies_match_sglang(sgl: Path, app: 
     finish = _to_json_keys(_tree(sgl / "managers" / "schedule_batch.py"))
     meta_keys = _meta_info_keys(_tree(sgl / "managers" / "tokenizer_manager.py"),
                                 _tree(sgl / "utils" / "weight_versions.py"))
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine", headers=ADMIN)
     async with http:
         replies = [(await http.post("/generate", json=body)).json() for body in (
             {"input_ids": [5, 6], "return_logprob": True, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
@@ -221,7 +222,7 @@ async def test_rollout_requests_and_engine_replies_match_sglang(sgl: Path, app: 
 
 
 async def test_bad_requests_are_sglang_400s(app: FastAPI) -> None:
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine", headers=ADMIN)
     async with http:
         for body, needle in (({"input_ids": [1], "nope": 1}, "nope"), ({"input_ids": []}, "empty"),
                              ({"text": ""}, "empty"),

@@ -31,6 +31,12 @@ Findings, measured against sglang-router 0.3.2 with a request-logging worker:
   defaults to 30 s (a worker not up at the first probe waits that long) and
   Prometheus binds 0.0.0.0:29000 by default (a second router would clash), so
   ``router_command`` sets a 1 s check interval and a Prometheus port of its own.
+* Authentication (docs/architecture.md §2.3): ``--control-plane-api-keys 'id:name:admin:KEY'`` makes
+  ``/workers`` (GET and POST, DELETE) answer 401 without ``Authorization: Bearer KEY``; ``--api-key KEY``
+  makes the data plane (``/generate``, ``/get_loads``, ``/flush_cache``...) require it too, and the
+  router sends it to its workers. ``/health`` stays open. With an ``admin_token``, ``router_command``
+  sets both to the run's token; the router takes keys only as arguments (no environment variable), so
+  it binds 127.0.0.1 unless the config names another host.
 """
 
 from __future__ import annotations
@@ -42,19 +48,24 @@ from typing import Any
 
 import httpx
 
+from services.common.admin_token import bearer
 from services.common.embedded_redis import free_port
 
 
 def router_command(port: int, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
                    prometheus_port: int | None = None, log_level: str = "warn",
-                   startup_timeout_s: int = 120, health_interval_s: int = 5) -> list[str]:
-    """The command line that starts the SGLang router in front of ``worker_urls``."""
+                   startup_timeout_s: int = 120, health_interval_s: int = 5,
+                   admin_token: str | None = None) -> list[str]:
+    """The command line that starts the SGLang router in front of ``worker_urls`` (with ``admin_token``:
+    its worker admin API and its data plane need that bearer token)."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
            "--policy", policy, "--worker-startup-check-interval", "1",
            "--worker-startup-timeout-secs", str(startup_timeout_s),
            "--health-check-interval-secs", str(health_interval_s),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port or free_port()),
            "--log-level", log_level]
+    if admin_token:
+        cmd += ["--api-key", admin_token, "--control-plane-api-keys", f"tandem:rollout:admin:{admin_token}"]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     return cmd
@@ -87,16 +98,17 @@ async def _workers(client: httpx.AsyncClient, router_url: str) -> list[dict[str,
     return list(resp.json().get("workers", []))
 
 
-async def list_workers(router_url: str, healthy_only: bool = False) -> list[str]:
+async def list_workers(router_url: str, healthy_only: bool = False, token: str | None = None) -> list[str]:
     """The router's worker URLs (from ``GET /workers``)."""
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=5.0, headers=bearer(token)) as client:
         workers = await _workers(client, router_url)
     return [_norm(w["url"]) for w in workers if w.get("is_healthy", True) or not healthy_only]
 
 
-async def add_worker(router_url: str, worker_url: str, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+async def add_worker(router_url: str, worker_url: str, timeout: float = 30.0,  # noqa: ASYNC109
+                     token: str | None = None) -> None:
     """Register ``worker_url`` (``POST /workers``) and wait until the router lists it healthy."""
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=5.0, headers=bearer(token)) as client:
         resp = await client.post(_norm(router_url) + "/workers", json={"url": _norm(worker_url)})
         if resp.status_code not in (200, 201, 202):
             raise RuntimeError(f"router refused worker {worker_url}: HTTP {resp.status_code} {resp.text}")
@@ -109,10 +121,10 @@ async def add_worker(router_url: str, worker_url: str, timeout: float = 30.0) ->
     raise TimeoutError(f"router {router_url} did not register {worker_url} within {timeout:.0f}s")
 
 
-async def remove_worker(router_url: str, worker_url: str,
-                        timeout: float = 30.0) -> None:  # noqa: ASYNC109
+async def remove_worker(router_url: str, worker_url: str, timeout: float = 30.0,  # noqa: ASYNC109
+                        token: str | None = None) -> None:
     """Deregister ``worker_url`` (``DELETE /workers/{id}``) and wait until it is gone."""
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=5.0, headers=bearer(token)) as client:
         ids = [w["id"] for w in await _workers(client, router_url) if _norm(w["url"]) == _norm(worker_url)]
         if not ids:
             raise KeyError(f"router {router_url} has no worker {worker_url}")

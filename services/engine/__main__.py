@@ -1,6 +1,6 @@
 """CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N]
 [--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W]`` serves the embedded
-engine with uvicorn."""
+engine with uvicorn. Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN`` (services/engine/server.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 
 import uvicorn
 
+from services.common.admin_token import token_from_env
 from services.engine.server import create_app
 
 # Idle keep-alive connections are kept longer than HTTP clients keep theirs (httpx and aiohttp: 5 s
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(args.switch_interval_ms / 1000)
     app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
                      engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
-                     admit_window_s=args.admit_window_ms / 1000)
+                     admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env())
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_S)
 

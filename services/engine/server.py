@@ -16,6 +16,12 @@ accepted when they ask for nothing this engine lacks, any other unknown
 field is rejected. ``/generate`` itself (single and batch bodies, orjson in and out) is
 ``generate_api``; ``/get_server_info``'s ``internal_states`` carry the engine's counters
 (prefills, decode steps, requests that joined or left a running batch).
+
+The admin routes (``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``,
+``/continue_generation``, ``/abort_request``) need the run's admin token as a bearer token
+(``admin_token``: the rollout gives it through ``$TANDEM_ADMIN_TOKEN``, services/common/admin_token.py;
+compared in constant time) and answer 401 otherwise; without a token they are closed to every caller.
+The health, info and ``/generate`` routes stay open to the router (docs/architecture.md §2.3).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.routing import Route
 
+from services.common.admin_token import ADMIN_TOKEN_ENV, authorized
 from services.contracts.sglang_api import (
     AbortReqInput,
     ContinueGenerationReqInput,
@@ -66,11 +73,15 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     return validate(model, load_json(await request.body()))
 
 
+class Unauthorized(Exception):
+    """An admin route called without the engine's admin token."""
+
+
 def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
-               engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02) -> FastAPI:
+               engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02,
+               admin_token: str | None = None) -> FastAPI:
     engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch,
                     admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s)
-    path = str(Path(model_path).resolve())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
@@ -79,7 +90,15 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
 
     app = FastAPI(title="Tandem embedded engine (SGLang API)", lifespan=lifespan)
     app.state.engine = engine
+    _error_handlers(app)
+    _info_routes(app, engine, str(Path(model_path).resolve()), engine_id)
+    # /generate is a plain Starlette route: the hot path skips FastAPI's per-request dependency solving.
+    app.router.routes.append(Route("/generate", _generate_endpoint(engine, engine_id), methods=["POST"]))
+    _admin_routes(app, engine, admin_token)
+    return app
 
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _bad(validation_message(exc))
@@ -87,6 +106,16 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     @app.exception_handler(EngineError)
     async def _on_engine_error(_: Request, exc: EngineError) -> JSONResponse:
         return _bad(str(exc))
+
+    @app.exception_handler(Unauthorized)
+    async def _on_unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+        resp = _bad(str(exc), 401)
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
+
+
+def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None) -> None:
+    """Health, model and server info, load and weight version: what the router and the rollout read."""
 
     def model_info() -> dict[str, Any]:
         return {"model_path": path, "tokenizer_path": path, "is_generation": True,
@@ -131,15 +160,32 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": str(engine.weight_version)}
 
+
+def _generate_endpoint(engine: Engine, engine_id: str | None) -> Any:
     async def generate(request: Request) -> Response:
         call = parse_generate(await request.body(), engine)
         await engine.generate_many(call.requests)
         return json_response(replies(call, engine, engine_id))
 
-    # A plain Starlette route: the hot path skips FastAPI's per-request dependency solving.
-    app.router.routes.append(Route("/generate", generate, methods=["POST"]))
+    return generate
 
-    @app.post("/update_weights_from_disk")
+
+def _admin_guard(admin_token: str | None) -> Any:
+    def require_admin(authorization: str | None = Header(default=None)) -> None:
+        if not admin_token:
+            raise Unauthorized(f"admin routes are closed: this engine was started without an admin token "
+                               f"(${ADMIN_TOKEN_ENV})")
+        if not authorized(authorization, admin_token):
+            raise Unauthorized("this route needs 'Authorization: Bearer <the run's admin token>'")
+
+    return require_admin
+
+
+def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None) -> None:
+    """Weight loading, cache, pause/continue and abort: the admin token's routes."""
+    admin = [Depends(_admin_guard(admin_token))]
+
+    @app.post("/update_weights_from_disk", dependencies=admin)
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body: UpdateWeightFromDiskReqInput = await _parse(request, UpdateWeightFromDiskReqInput)
         version: int | None = None
@@ -158,7 +204,7 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
                                             message=f"loaded {body.model_path} as version {loaded}")
         return JSONResponse(out.model_dump())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
     async def flush_cache() -> PlainTextResponse:
         # As SGLang: not performed while requests run or wait. Nothing else to flush: a finished
         # request's KV rows leave the batch with it (no prefix cache is kept across requests).
@@ -170,23 +216,21 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     async def _optional(request: Request, model: type[BaseModel]) -> Any:
         return model() if not (await request.body()).strip() else await _parse(request, model)
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", dependencies=admin)
     async def pause_generation(request: Request) -> dict[str, Any]:
         body: PauseGenerationReqInput = await _optional(request, PauseGenerationReqInput)
         aborted = engine.set_paused(True, body.mode)
         return {"message": "Generation paused successfully.", "status": "ok", "num_aborted": aborted}
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", dependencies=admin)
     async def continue_generation(request: Request) -> dict[str, Any]:
         await _optional(request, ContinueGenerationReqInput)
         engine.set_paused(False)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", dependencies=admin)
     async def abort_request(request: Request) -> dict[str, Any]:
         body: AbortReqInput = await _parse(request, AbortReqInput)
         if not body.rid and not body.abort_all:
             raise EngineError("give a rid or abort_all=true")
         return {"success": True, "num_aborted": engine.abort(body.rid, body.abort_all)}
-
-    return app

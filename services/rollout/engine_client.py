@@ -4,6 +4,9 @@ Generation goes through the agent's SGLang router (``POST {router}/generate``);
 weight updates go to each engine directly (``/update_weights_from_disk``), since
 the router does not fan them out. The same client drives SGLang on GPU and
 the embedded engine on CPU: replies are parsed with the SGLang contract models.
+
+With the run's admin token (``token``: services/common/admin_token.py) every call carries it as a bearer
+token: the engines' admin routes and the router (its ``--api-key``) require it (docs/architecture.md §2.3).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import ValidationError
 
+from services.common.admin_token import bearer
 from services.contracts.sglang_api import (
     GenerateReqOutput,
     UpdateWeightFromDiskReqInput,
@@ -72,9 +76,9 @@ class EngineClient:
     """One ``httpx.AsyncClient`` reused for every call; close with ``aclose()`` or ``async with``."""
 
     def __init__(self, router_url: str, timeout: float = 300.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None) -> None:
         self.router_url = router_url.rstrip("/")
-        self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=bearer(token))
 
     async def __aenter__(self) -> EngineClient:
         return self

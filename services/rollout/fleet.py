@@ -11,6 +11,10 @@ again. A router that exited is started again on its port, and every live engine 
 with it again (on the fleet's latest version); generation that failed meanwhile is retried by the
 rollout. ``load_weights`` and re-registration share one lock, so a restarted engine can never
 rejoin on an older version than the rest.
+
+The fleet makes the run's admin token (``services/common/admin_token.py``, or takes ``$TANDEM_ADMIN_TOKEN``)
+and gives it to its engines through their environment and to the router as its API keys; every admin
+call it makes carries it (docs/architecture.md §2.3).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from services.common.admin_token import ADMIN_TOKEN_ENV, new_token, token_from_env
 from services.common.embedded_redis import free_port
 from services.common.lifetime import die_with_parent
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
@@ -69,15 +74,20 @@ class EngineFleet:
         self.router_restarts = 0
         self.latest: tuple[str, int] | None = None  # (path, version) last loaded on the fleet
         self._lock = asyncio.Lock()
+        self.token = token_from_env() or new_token()  # the admin token of this run's engines and router
         self._http = httpx.AsyncClient(timeout=health_timeout)
-        self._client = EngineClient(self.router_url, timeout=300.0)
+        self._client = EngineClient(self.router_url, timeout=300.0, token=self.token)
 
     async def _spawn(self, cmd: list[str]) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                    preexec_fn=die_with_parent(), env=os.environ.copy())
+                                                    preexec_fn=die_with_parent(),
+                                                    env={**os.environ, ADMIN_TOKEN_ENV: self.token})
+
+    def _router_command(self) -> list[str]:
+        return router_command(self.router_port, [], host=self.host, admin_token=self.token)
 
     async def start(self) -> None:
-        self.router = await self._spawn(router_command(self.router_port, [], host=self.host))
+        self.router = await self._spawn(self._router_command())
         await asyncio.gather(*(self._boot(e) for e in self.engines))
         await wait_healthy(self.router_url, timeout=60)
         await asyncio.gather(*(self._register(e) for e in self.engines))
@@ -100,14 +110,14 @@ class EngineFleet:
             if self.latest is not None and e.weight_version != self.latest[1]:
                 await self._client.update_weights(e.url, *self.latest)
                 e.weight_version = self.latest[1]
-            await add_worker(self.router_url, e.url, timeout=60)
+            await add_worker(self.router_url, e.url, timeout=60, token=self.token)
             e.registered, e.failures = True, 0
 
     async def _deregister(self, e: ManagedEngine) -> None:
         if e.registered:
             e.registered = False
             with contextlib.suppress(KeyError, RuntimeError, TimeoutError, httpx.HTTPError):
-                await remove_worker(self.router_url, e.url, timeout=10)
+                await remove_worker(self.router_url, e.url, timeout=10, token=self.token)
 
     async def load_weights(self, path: str, version: int) -> list[str]:
         """Load ``path`` as ``version`` on every registered engine; a restarting one gets it on rejoin."""
@@ -142,7 +152,7 @@ class EngineFleet:
             for e in self.engines:
                 e.registered = False  # nothing is routed to them until the new router lists them
         while True:
-            self.router = await self._spawn(router_command(self.router_port, [], host=self.host))
+            self.router = await self._spawn(self._router_command())
             try:
                 await wait_healthy(self.router_url, timeout=60)
                 break

@@ -27,6 +27,7 @@ from collections.abc import Awaitable
 
 import httpx
 
+from services.common.admin_token import token_from_env
 from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
@@ -56,7 +57,8 @@ class RolloutService:
                  fleet: EngineFleet | None = None) -> None:
         self.acfg = cfg.agents[agent]
         self.agent, self.bus, self.router_url, self.fleet = agent, bus, router_url, fleet
-        self.client = EngineClient(router_url, timeout=120.0)
+        self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
+        self.client = EngineClient(router_url, timeout=120.0, token=self.token)
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * (fleet.healthy() if fleet else self.acfg.num_engines))
         self.vocab = vocab_size(self.acfg.model_path)
@@ -154,7 +156,7 @@ class RolloutService:
         if self.fleet is not None:
             engines = await self.fleet.load_weights(w.path, w.version)
         else:
-            engines = await list_workers(self.router_url)
+            engines = await list_workers(self.router_url, token=self.token)
             await asyncio.gather(*(self.client.update_weights(url, w.path, w.version) for url in engines))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.version} on")
@@ -183,7 +185,8 @@ class RolloutService:
         engines = [EngineStatus(**e) for e in self.fleet.snapshot()] if self.fleet else []
         if self.fleet is None:
             with contextlib.suppress(httpx.HTTPError, RuntimeError):  # an external router may be down a while
-                engines = [EngineStatus(url=u, healthy=True) for u in await list_workers(self.router_url)]
+                urls = await list_workers(self.router_url, token=self.token)
+                engines = [EngineStatus(url=u, healthy=True) for u in urls]
         await self.bus.publish(s.events, RolloutLoad(
             source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
             capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines))

@@ -1,0 +1,36 @@
+"""The per-run admin token of the local control plane (docs/architecture.md §2.3).
+
+The rollout makes one token for the engines and the router it starts (``new_token``) and hands it to them
+through the environment (``ADMIN_TOKEN_ENV``; an argument would be readable by every local user in the
+process list). The embedded engine requires it on its admin routes, the SGLang router on its worker admin
+API; callers send it as ``Authorization: Bearer <token>`` (``bearer``). Every check compares in constant
+time (``authorized``), as the coordinator API does with ``api.token``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+
+
+def new_token() -> str:
+    """A fresh random token (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_from_env() -> str | None:
+    """The admin token this process was given (``$TANDEM_ADMIN_TOKEN``), or None."""
+    return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The request headers that carry ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def authorized(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``token`` as a bearer token (constant-time compare)."""
+    return hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
