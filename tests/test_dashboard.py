@@ -77,12 +77,22 @@ async def test_dashboard_routes_over_real_episodes(redis_url: str, tiny_model_di
         await coord._play(TicTacToe({}, i), f"g{i}", roles, "train" if i else "eval", coord.sampling_for(roles))
     assert coord.state.episodes_done == 3
     transport = httpx.ASGITransport(app=create_app(coord))
-    async with httpx.AsyncClient(transport=transport, base_url="http://dash") as client:
-        page = await client.get("/")
+    async with httpx.AsyncClient(transport=transport, base_url="http://dash") as anon, \
+            httpx.AsyncClient(transport=transport, base_url="http://dash",
+                              headers={"Authorization": "Bearer tok"}) as client:
+        page = await anon.get("/")  # the page, its assets and info are open: the page asks for the token
         assert page.status_code == 200 and "uPlot.iife.min.js" in page.text
-        assert (await client.get("/dashboard/static/vendor/uPlot.iife.min.js")).status_code == 200
-        info = (await client.get("/v1/dashboard/info")).json()
+        assert (await anon.get("/dashboard/static/vendor/uPlot.iife.min.js")).status_code == 200
+        info = (await anon.get("/v1/dashboard/info")).json()
         assert info["token_required"] is True and info["env_roles"] == ["X", "O"]
+        for path in ("/health", "/metrics"):
+            assert (await anon.get(path)).status_code == 200, path
+        reads = ("/v1/status", "/v1/episodes", "/v1/episodes/nope", "/v1/metrics", "/v1/dashboard/pipeline",
+                 "/v1/dashboard/episodes", "/v1/dashboard/episodes/nope", "/v1/dashboard/episodes/nope/tokens")
+        for headers in ({}, {"Authorization": "Bearer tok2"}, {"Authorization": "tok"}):
+            for path in reads:  # the token guards reads too
+                resp = await anon.get(path, headers=headers)
+                assert resp.status_code == 401 and "Bearer <api.token>" in resp.json()["detail"], path
         listed = (await client.get("/v1/dashboard/episodes", params={"purpose": "train"})).json()
         assert listed["total"] == 2 and all(e["purpose"] == "train" for e in listed["episodes"])
         mine = {"agent": str(player), "role": "O"}
@@ -104,7 +114,7 @@ async def test_dashboard_routes_over_real_episodes(redis_url: str, tiny_model_di
         assert (await client.get("/v1/episodes/nope")).status_code == 404
         pipe = (await client.get("/v1/dashboard/pipeline")).json()
         assert pipe["gates"]["A"]["limit"] == 4 and pipe["gates"]["A"]["blocked"] is False
-        refused = await client.post("/v1/pause")
+        refused = await anon.post("/v1/pause")
         assert refused.status_code == 401
     await coord.bus.close()
 

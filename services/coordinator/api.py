@@ -1,104 +1,73 @@
 """The control API (docs/architecture.md §6): FastAPI over the coordinator's run state.
 
-Writes are guarded by a bearer token when ``api.token`` is configured. Bad
-input gets a 4xx whose body says what is wrong, never a 500.
+When ``api.token`` is configured, every route but ``/health``, ``/metrics``, the OpenAPI document
+(``/docs``, ``/openapi.json``) and the dashboard's page, assets and ``/v1/dashboard/info`` (which
+tells the page that a token is needed) requires ``Authorization: Bearer <api.token>``, reads as
+well as writes; the comparison is constant-time. ``/health`` and ``/metrics`` stay open for probes
+and scrapers (no transcript, path or URL in them). Bad input gets a 4xx whose body says what is
+wrong, never a 500; the OpenAPI document lists every status a route answers with its real body
+(services/coordinator/errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from services.common.admin_token import authorized
 from services.common.metrics import SERVICE_STARTS, RunMetrics
 from services.contracts.messages import Control
 from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.dashboard.routes import episode_record
+from services.coordinator.errors import responses
 from services.coordinator.scheduler import Coordinator
 
 
 def create_app(coord: Coordinator) -> FastAPI:
     app = FastAPI(title="Tandem control API", version="1",
                   description="Drive and inspect a Tandem run (docs/architecture.md §6).")
-    token = coord.cfg.api.token
+    app.exception_handler(RequestValidationError)(_bad_request)
+    guard = token_guard(coord.cfg.api.token)
+    _probe_routes(app, coord)
+    _read_routes(app, coord, guard)
+    _command_routes(app, coord, guard)
+    mount_dashboard(app, coord, guard)  # the web dashboard at / (services/coordinator/dashboard)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"detail": "invalid request", "errors": errors})
 
-    def writer(authorization: str | None = Header(default=None)) -> None:
-        if token and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "this endpoint needs 'Authorization: Bearer <api.token>'")
+async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
+    return JSONResponse(status_code=422, content={"detail": "invalid request", "errors": errors})
+
+
+BEARER = HTTPBearer(auto_error=False, scheme_name="api.token",
+                    description="the run's api.token, when configured: 'Authorization: Bearer <api.token>'")
+
+
+def token_guard(token: str) -> list[Any]:
+    """The dependencies of a guarded route: ``Authorization: Bearer <token>`` (constant-time compare) when a
+    token is configured, none otherwise (the OpenAPI document then lists the bearer scheme on the route)."""
+
+    def require_token(credentials: HTTPAuthorizationCredentials | None = Security(BEARER)) -> None:
+        given = f"Bearer {credentials.credentials}" if credentials is not None else None
+        if not authorized(given, token):
+            raise HTTPException(401, "this endpoint needs 'Authorization: Bearer <api.token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    return [Security(require_token)] if token else []
+
+
+def _probe_routes(app: FastAPI, coord: Coordinator) -> None:
+    """Open to probes and scrapers: liveness and the Prometheus series."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok", "phase": coord.state.phase}
-
-    @app.get("/v1/status")
-    async def status() -> dict[str, Any]:
-        return {**coord.state.status(), "evals": coord.evals}
-
-    async def command(name: str) -> dict[str, Any]:
-        if coord.state.phase in ("done", "stopped"):
-            raise HTTPException(409, f"the run is {coord.state.phase}; {name} has no effect")
-        await coord.control(name)
-        return {"ok": True, "command": name, "paused": coord.state.paused}
-
-    @app.post("/v1/pause", dependencies=[Depends(writer)])
-    async def pause() -> dict[str, Any]:
-        return await command("pause")
-
-    @app.post("/v1/resume", dependencies=[Depends(writer)])
-    async def resume() -> dict[str, Any]:
-        return await command("resume")
-
-    @app.post("/v1/stop", dependencies=[Depends(writer)])
-    async def stop() -> dict[str, Any]:
-        return await command("stop")
-
-    @app.post("/v1/eval", dependencies=[Depends(writer)])
-    async def run_eval() -> dict[str, Any]:
-        if coord.state.phase not in ("training",):
-            raise HTTPException(409, f"evaluation on demand runs during training; the run is {coord.state.phase}")
-        if coord.eval_task is not None and not coord.eval_task.done():
-            raise HTTPException(409, "an evaluation is already running")
-        coord.eval_task = asyncio.create_task(coord.evaluate_all("on-demand"))
-        return {"ok": True, "started": True}
-
-    @app.post("/v1/checkpoint", dependencies=[Depends(writer)])
-    async def checkpoint() -> dict[str, Any]:
-        if coord.state.phase in ("done", "stopped"):
-            raise HTTPException(409, f"the run is {coord.state.phase}; nothing to checkpoint")
-        await coord.bus.publish(coord.bus.streams.control, Control(command="checkpoint"))
-        return {"ok": True, "command": "checkpoint"}
-
-    @app.get("/v1/episodes")
-    async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
-                       purpose: Literal["train", "eval"] | None = None) -> dict[str, Any]:
-        recs = list(coord.episodes.values())[::-1]
-        if purpose:
-            recs = [r for r in recs if r["purpose"] == purpose]
-        page = recs[offset: offset + limit]
-        return {"total": len(recs), "episodes": [
-            {k: r[k] for k in ("id", "group_id", "purpose", "roles", "rewards", "summary")}
-            | {"turns": len(r["turns"])} for r in page]}
-
-    @app.get("/v1/episodes/{episode_id}")
-    async def episode(episode_id: str) -> dict[str, Any]:
-        return await episode_record(coord, episode_id)
-
-    @app.get("/v1/metrics")
-    async def metrics(agent: str | None = None) -> dict[str, Any]:
-        if agent is not None and agent not in coord.state.agents:
-            raise HTTPException(404, f"no agent {agent!r}; agents: {', '.join(coord.state.agents)}")
-        names = [agent] if agent else list(coord.state.agents)
-        return {n: {"train_steps": coord.state.agents[n].train_steps,
-                    "group_rewards": coord.state.agents[n].group_rewards} for n in names}
 
     run_metrics = RunMetrics()
 
@@ -111,5 +80,72 @@ def create_app(coord: Coordinator) -> FastAPI:
         payload, content_type = run_metrics.exposition(request.headers.get("accept"))
         return Response(payload, media_type=content_type)
 
-    mount_dashboard(app, coord)  # the web dashboard at / (services/coordinator/dashboard)
-    return app
+
+def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
+    """The run's status, episodes (full transcripts) and metrics: behind the token when one is configured."""
+
+    @app.get("/v1/status", dependencies=guard, responses=responses(401))
+    async def status() -> dict[str, Any]:
+        return {**coord.state.status(), "evals": coord.evals}
+
+    @app.get("/v1/episodes", dependencies=guard, responses=responses(401, 422))
+    async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
+                       purpose: Literal["train", "eval"] | None = None) -> dict[str, Any]:
+        recs = list(coord.episodes.values())[::-1]
+        if purpose:
+            recs = [r for r in recs if r["purpose"] == purpose]
+        page = recs[offset: offset + limit]
+        return {"total": len(recs), "episodes": [
+            {k: r[k] for k in ("id", "group_id", "purpose", "roles", "rewards", "summary")}
+            | {"turns": len(r["turns"])} for r in page]}
+
+    @app.get("/v1/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404))
+    async def episode(episode_id: str) -> dict[str, Any]:
+        return await episode_record(coord, episode_id)
+
+    @app.get("/v1/metrics", dependencies=guard, responses=responses(401, 404))
+    async def metrics(agent: str | None = None) -> dict[str, Any]:
+        if agent is not None and agent not in coord.state.agents:
+            raise HTTPException(404, f"no agent {agent!r}; agents: {', '.join(coord.state.agents)}")
+        names = [agent] if agent else list(coord.state.agents)
+        return {n: {"train_steps": coord.state.agents[n].train_steps,
+                    "group_rewards": coord.state.agents[n].group_rewards} for n in names}
+
+
+def _command_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
+    """Pause, resume, stop, evaluate, checkpoint: behind the token when one is configured."""
+    answers = responses(401, 409)
+
+    async def command(name: str) -> dict[str, Any]:
+        if coord.state.phase in ("done", "stopped"):
+            raise HTTPException(409, f"the run is {coord.state.phase}; {name} has no effect")
+        await coord.control(name)
+        return {"ok": True, "command": name, "paused": coord.state.paused}
+
+    @app.post("/v1/pause", dependencies=guard, responses=answers)
+    async def pause() -> dict[str, Any]:
+        return await command("pause")
+
+    @app.post("/v1/resume", dependencies=guard, responses=answers)
+    async def resume() -> dict[str, Any]:
+        return await command("resume")
+
+    @app.post("/v1/stop", dependencies=guard, responses=answers)
+    async def stop() -> dict[str, Any]:
+        return await command("stop")
+
+    @app.post("/v1/eval", dependencies=guard, responses=answers)
+    async def run_eval() -> dict[str, Any]:
+        if coord.state.phase not in ("training",):
+            raise HTTPException(409, f"evaluation on demand runs during training; the run is {coord.state.phase}")
+        if coord.eval_task is not None and not coord.eval_task.done():
+            raise HTTPException(409, "an evaluation is already running")
+        coord.eval_task = asyncio.create_task(coord.evaluate_all("on-demand"))
+        return {"ok": True, "started": True}
+
+    @app.post("/v1/checkpoint", dependencies=guard, responses=answers)
+    async def checkpoint() -> dict[str, Any]:
+        if coord.state.phase in ("done", "stopped"):
+            raise HTTPException(409, f"the run is {coord.state.phase}; nothing to checkpoint")
+        await coord.bus.publish(coord.bus.streams.control, Control(command="checkpoint"))
+        return {"ok": True, "command": "checkpoint"}

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
@@ -186,7 +187,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     code = 0
     try:
         api = start_services(cfg, config_path, group, api_port)
-        code = watch(group, api, console)
+        code = watch(group, api, console, cfg.api.token)
     except KeyboardInterrupt:
         console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
                       f" (continue with `tandem up {config_path} --resume`)")
@@ -222,7 +223,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def watch(group: ProcessGroup, api: str, console: Console) -> int:
+def watch(group: ProcessGroup, api: str, console: Console, token: str = "") -> int:
     """Supervise the children (restart a dead one within the budget) and refresh progress until the
     coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget."""
     waiter = threading.Event()
@@ -239,7 +240,7 @@ def watch(group: ProcessGroup, api: str, console: Console) -> int:
             if group.exited("coordinator") == 0:
                 return 0
             try:
-                status = httpx.get(f"{api}/v1/status", timeout=2.0).json()
+                status = httpx.get(f"{api}/v1/status", timeout=2.0, headers=bearer(token)).json()
                 if not announced:
                     console.print(f"control API at {api} (docs at {api}/docs) — all services up in "
                                   f"{time.time() - started:.0f}s")

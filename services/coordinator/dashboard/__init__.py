@@ -4,7 +4,9 @@ The page (``static/``: plain HTML, JavaScript and CSS, with the uPlot chart libr
 npm, see ``static/vendor/README.md``) needs no network beyond the coordinator itself. It polls
 ``/v1/status`` and ``/v1/metrics`` and the read-only ``/v1/dashboard/*`` routes below, and drives
 the run through the control API's ``POST /v1/{pause,resume,stop,checkpoint,eval}`` with the
-bearer token typed into the page.
+bearer token typed into the page. When ``api.token`` is configured the page sends that token with
+its reads too: only the page, its assets and ``/v1/dashboard/info`` (which says a token is needed)
+are open.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from services.coordinator.dashboard.routes import create_router
+from services.coordinator.dashboard.routes import create_routes
 
 STATIC = Path(__file__).parent / "static"
 
 
-def mount(app: FastAPI, coord: Any) -> None:
-    """Serve the dashboard page at ``/``, its assets under ``/dashboard/static`` and its data routes."""
+def mount(app: FastAPI, coord: Any, guard: list[Any]) -> None:
+    """Serve the dashboard page at ``/``, its assets under ``/dashboard/static`` and its data routes (those
+    behind ``guard``, the API's token dependency)."""
     app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
-    app.include_router(create_router(coord, STATIC / "index.html"))
+    create_routes(app, coord, STATIC / "index.html", guard)
 
 
 __all__ = ["mount"]

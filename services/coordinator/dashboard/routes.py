@@ -1,6 +1,7 @@
 """The dashboard's read-only data routes (``/v1/dashboard/*``) and its page at ``/``.
 
-Bad query values get a 422 naming the field (the API's handler), an unknown episode a 404.
+Bad query values get a 422 naming the field (the API's handler), an unknown episode a 404; with
+``api.token`` configured, every data route but ``/v1/dashboard/info`` needs the token (401).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 
 from services.coordinator.dashboard.pipeline import gate, services
 from services.coordinator.dashboard.transcripts import board, brief, decode_tokens, load_tokens, matches
+from services.coordinator.errors import responses
 
 NO_CACHE = {"Cache-Control": "no-store"}
 
@@ -37,8 +39,8 @@ async def episode_record(coord: Any, episode_id: str) -> dict[str, Any]:
     return dict(rec)
 
 
-def create_router(coord: Any, index: Path) -> APIRouter:
-    router = APIRouter()
+def create_routes(router: FastAPI, coord: Any, index: Path, guard: list[Any]) -> None:
+    """The page and ``/v1/dashboard/info`` (open), the data routes (behind ``guard``)."""
     env_cls = coord.env_cls
 
     @router.get("/", include_in_schema=False)
@@ -53,12 +55,12 @@ def create_router(coord: Any, index: Path) -> APIRouter:
                 "total_steps": cfg.run.total_steps, "token_required": bool(cfg.api.token),
                 "started_at": coord.state.started_at}
 
-    @router.get("/v1/dashboard/pipeline")
+    @router.get("/v1/dashboard/pipeline", dependencies=guard, responses=responses(401))
     async def pipeline() -> dict[str, Any]:
         return {"gates": {a: gate(s) for a, s in coord.state.agents.items()},
                 "services": await services(coord)}
 
-    @router.get("/v1/dashboard/episodes")
+    @router.get("/v1/dashboard/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
                        agent: str | None = Query(None, max_length=200),
                        role: str | None = Query(None, max_length=200),
@@ -73,12 +75,13 @@ def create_router(coord: Any, index: Path) -> APIRouter:
                 if matches(r, agent or None, role or None, purpose, min_reward, max_reward)]
         return {"total": len(recs), "episodes": [brief(r) for r in recs[offset: offset + limit]]}
 
-    @router.get("/v1/dashboard/episodes/{episode_id}")
+    @router.get("/v1/dashboard/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404))
     async def episode(episode_id: str) -> dict[str, Any]:
         rec = await episode_record(coord, episode_id)
         return rec | {"board": board(env_cls, rec)}
 
-    @router.get("/v1/dashboard/episodes/{episode_id}/tokens")
+    @router.get("/v1/dashboard/episodes/{episode_id}/tokens", dependencies=guard,
+                responses=responses(401, 404))
     async def tokens(episode_id: str) -> dict[str, Any]:
         await episode_record(coord, episode_id)
         data = await load_tokens(coord.bus, episode_id)
@@ -86,5 +89,3 @@ def create_router(coord: Any, index: Path) -> APIRouter:
             raise HTTPException(404, f"the tokens of episode {episode_id!r} are no longer kept (or it had no "
                                      "model turn)")
         return await asyncio.to_thread(decode_tokens, data, coord.tokenizer_for)
-
-    return router

@@ -5,16 +5,19 @@ const POLL_MS = 2000;
 const App = {info: null, xAxis: "step", transcriptsEvery: 3, ticks: 0};
 
 function token() { return document.getElementById("token").value.trim(); }
+// Every call carries the typed token: with api.token configured the API guards reads too.
+function auth() { return token() ? {Authorization: "Bearer " + token()} : {}; }
 
 async function getJSON(url) {
-  const r = await fetch(url, {cache: "no-store"});
+  const r = await fetch(url, {cache: "no-store", headers: auth()});
+  if (r.status === 401) throw new Error("the API needs its token: type it in the token field");
   if (!r.ok) throw new Error(`${url}: ${r.status}`);
   return r.json();
 }
 
 async function control(cmd) {
   if (cmd === "stop" && !window.confirm("Stop the run? (the report is written, then every service stops)")) return;
-  const headers = token() ? {Authorization: "Bearer " + token()} : {};
+  const headers = auth();
   const msg = document.getElementById("control-msg");
   msg.className = "";
   try {

@@ -48,7 +48,7 @@ const Transcripts = {
   },
 
   async refresh() {
-    const r = await fetch("/v1/dashboard/episodes?" + this.query());
+    const r = await fetch("/v1/dashboard/episodes?" + this.query(), {headers: auth()});
     const body = document.querySelector("#episodes tbody");
     if (!r.ok) {
       document.getElementById("episode-count").textContent = `filter refused: ${(await r.json()).detail}`;
@@ -68,7 +68,7 @@ const Transcripts = {
     this.selected = id;
     document.querySelectorAll("#episodes tr").forEach(tr => tr.classList.toggle("selected", tr.dataset.episode === id));
     const box = document.getElementById("episode");
-    const r = await fetch("/v1/dashboard/episodes/" + encodeURIComponent(id));
+    const r = await fetch("/v1/dashboard/episodes/" + encodeURIComponent(id), {headers: auth()});
     if (!r.ok) { box.replaceChildren(el("p", {class: "error"}, (await r.json()).detail)); return; }
     const ep = await r.json();
     const head = el("div", {class: "episode-head"},
@@ -95,7 +95,7 @@ const Transcripts = {
   },
 
   async tokens(id) {
-    const r = await fetch(`/v1/dashboard/episodes/${encodeURIComponent(id)}/tokens`);
+    const r = await fetch(`/v1/dashboard/episodes/${encodeURIComponent(id)}/tokens`, {headers: auth()});
     const box = document.getElementById("episode");
     if (!r.ok) { box.append(el("p", {class: "error"}, (await r.json()).detail)); return; }
     const data = await r.json();
