@@ -30,6 +30,7 @@ from tests.helpers import launch_up, wait_until
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "dash-s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -82,7 +83,9 @@ def live(tmp_path_factory, warm_model_dir):
         started = time.time()
         driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
         setup_s = time.time() - started
-        driver.get(api + "/")
+        driver.get(api + "/")  # the page is open; its reads need the token (api.token guards reads too)
+        driver.execute_script("localStorage.setItem('tandem-token', arguments[0])", TOKEN)
+        driver.refresh()
         yield {"driver": driver, "api": api, "proc": proc, "dir": d, "model": warm_model_dir,
                "browser_start_s": setup_s}
     finally:
@@ -99,7 +102,7 @@ def _points(driver, key: str) -> dict[str, int]:
 
 
 def _status(live) -> dict:
-    return httpx.get(f"{live['api']}/v1/status", timeout=5).json()
+    return httpx.get(f"{live['api']}/v1/status", timeout=5, headers=AUTH).json()
 
 
 def test_charts_hold_points_for_both_agents_and_grow(live):
@@ -112,7 +115,7 @@ def test_charts_hold_points_for_both_agents_and_grow(live):
                   240, "train-step points for both agents", proc)
     assert grown["A"] > first["A"] and grown["B"] > first["B"] and steps["A"] >= 1
     # what the page plots is what the API holds (at least as many points as were on the page)
-    metrics = httpx.get(f"{live['api']}/v1/metrics", timeout=5).json()
+    metrics = httpx.get(f"{live['api']}/v1/metrics", timeout=5, headers=AUTH).json()
     assert all(len(metrics[a]["group_rewards"]) >= grown[a] for a in "AB")
     assert driver.find_elements("css selector", '.chart[data-key="eval"] canvas')
     assert not driver.find_elements("css selector", ".chart.failed")
@@ -141,7 +144,7 @@ def test_opening_a_transcript_shows_its_turns_and_rewards(live):
     _wait(lambda: driver.find_elements("css selector", "#episodes tbody tr"), 60, "the episode list", live["proc"])
     episode_id = _click_first_episode(driver)
     turns = _wait(lambda: driver.find_elements("css selector", "#episode tr.turn"), 30, "the episode's turns")
-    rec = httpx.get(f"{live['api']}/v1/episodes/{episode_id}", timeout=5).json()
+    rec = httpx.get(f"{live['api']}/v1/episodes/{episode_id}", timeout=5, headers=AUTH).json()
     assert len(turns) == len(rec["turns"]) > 0
     assert [t.get_attribute("data-role") for t in turns] == [t["role"] for t in rec["turns"]]
     final = driver.find_element("css selector", "#episode .final-rewards").text

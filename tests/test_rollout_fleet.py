@@ -215,7 +215,7 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         await fleet.start()
         watcher = asyncio.create_task(fleet.supervise(stop))
         engine = fleet.engines[0]
-        assert await list_workers(fleet.router_url) == [engine.url]
+        assert await list_workers(fleet.router_url, token=fleet.token) == [engine.url]
         old = engine.proc.pid if engine.proc else 0
         os.kill(old, signal.SIGSTOP)
         for _ in range(600):
@@ -223,8 +223,8 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
                 break
             await asyncio.sleep(0.1)
         assert engine.restarts == 1 and engine.registered and engine.proc and engine.proc.pid != old
-        assert await list_workers(fleet.router_url, healthy_only=True) == [engine.url]
-        async with EngineClient(fleet.router_url, timeout=30) as client:
+        assert await list_workers(fleet.router_url, healthy_only=True, token=fleet.token) == [engine.url]
+        async with EngineClient(fleet.router_url, timeout=30, token=fleet.token) as client:
             res = await client.generate([5, 6], {"max_new_tokens": 3}, rid="after-hang")
         assert len(res.output_ids) == 3 or res.finish_reason == "stop"
         stop.set()
@@ -256,7 +256,7 @@ async def test_a_dead_router_is_restarted_and_gets_its_engines_back(tiny_model_d
         await fleet.load_weights(str(tiny_model_dir), 4)
         watcher = asyncio.create_task(fleet.supervise(stop))
         urls = sorted(e.url for e in fleet.engines)
-        assert sorted(await list_workers(fleet.router_url)) == urls
+        assert sorted(await list_workers(fleet.router_url, token=fleet.token)) == urls
         old = fleet.router.pid if fleet.router else 0
         engine_pids = [e.proc.pid for e in fleet.engines if e.proc]
         os.kill(old, signal.SIGKILL)
@@ -269,10 +269,10 @@ async def test_a_dead_router_is_restarted_and_gets_its_engines_back(tiny_model_d
         back_s = time.monotonic() - killed
         assert fleet.router_restarts == 1 and fleet.healthy() == 2, fleet.snapshot()
         assert fleet.router and fleet.router.pid != old and fleet.router.returncode is None
-        assert sorted(await list_workers(fleet.router_url, healthy_only=True)) == urls
+        assert sorted(await list_workers(fleet.router_url, healthy_only=True, token=fleet.token)) == urls
         assert [e.proc.pid for e in fleet.engines if e.proc] == engine_pids  # the engines were kept
         assert [e.weight_version for e in fleet.engines] == [4, 4]
-        async with EngineClient(fleet.router_url, timeout=30) as client:
+        async with EngineClient(fleet.router_url, timeout=30, token=fleet.token) as client:
             res = await client.generate([5, 6], {"max_new_tokens": 3}, rid="after-router-restart")
         assert res.weight_version == 4 and (len(res.output_ids) == 3 or res.finish_reason == "stop")
         logging.getLogger("test").info("router back with its engines %.1fs after SIGKILL", back_s)

@@ -18,6 +18,7 @@ import pytest
 from trainer_commit import commit_weights
 
 from services.buffer.service import BufferService
+from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.bus import Bus, Reject
 from services.common.embedded_redis import free_port
 from services.common.sglang_router import list_workers, router_command, wait_healthy
@@ -37,7 +38,7 @@ from services.contracts.messages import (
 from services.rollout.service import RolloutService
 from services.trainer.service import TrainerService
 from services.training.backends import Policy, make_policy
-from tests.helpers import emit, make_sample
+from tests.helpers import ADMIN_TOKEN, emit, make_sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,20 +130,20 @@ async def test_buffer_handler_reports_the_verdict_and_releases_the_batch(redis_u
 def router(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """One real embedded engine behind the real SGLang router: (router URL, engine URL)."""
     logs = tmp_path_factory.mktemp("svc-router")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: ADMIN_TOKEN}
     eport, rport = free_port(), free_port()
     engine_url, router_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{rport}"
     out = (logs / "log").open("wb")
     procs = [subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir),
                                "--port", str(eport), "--engine-id", "A-0"], cwd=REPO, env=env, stdout=out,
                               stderr=subprocess.STDOUT),
-             subprocess.Popen(router_command(rport, [engine_url]), cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT)]
+             subprocess.Popen(router_command(rport, [engine_url], admin_token=ADMIN_TOKEN), cwd=REPO, env=env,
+                              stdout=out, stderr=subprocess.STDOUT)]
 
     async def ready() -> None:
-        await asyncio.gather(wait_healthy(engine_url, timeout=60), wait_healthy(router_url, timeout=60))
+        await asyncio.gather(wait_healthy(engine_url, timeout=180), wait_healthy(router_url, timeout=180))
         for _ in range(300):
-            if await list_workers(router_url, healthy_only=True) == [engine_url]:
+            if await list_workers(router_url, healthy_only=True, token=ADMIN_TOKEN) == [engine_url]:
                 return
             await asyncio.sleep(0.1)
         raise TimeoutError(f"the router never listed the engine; see {logs}")
@@ -159,7 +160,9 @@ def router(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, tiny_model_dir: Path,
-                                                              tmp_path: Path, router: tuple[str, str]) -> None:
+                                                              tmp_path: Path, router: tuple[str, str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN_TOKEN)  # an external router: the rollout takes the run's token
     router_url, engine_url = router
     cfg = config(tmp_path, tiny_model_dir)
     bus = Bus(redis_url, "t", "rollout-A")
@@ -200,9 +203,10 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
 
 
 async def test_rollout_loads_only_authentic_weights(redis_url: str, tiny_model_dir: Path, tmp_path: Path,
-                                                    router: tuple[str, str]) -> None:
+                                                    router: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A forged (unsigned, wrongly signed, uncommitted) or corrupt update is rejected with its reason and the
     engine keeps the weights it had; the committed, signed version is loaded."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
     router_url, engine_url = router
     cfg = config(tmp_path, tiny_model_dir)
     bus = Bus(redis_url, "t", "rollout-A")

@@ -107,6 +107,10 @@ def _body(p: list[int] | list[list[int]], seed: int) -> dict[str, Any]:
         "max_new_tokens": N_NEW, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed}}
 
 
+BENCH_TOKEN = "bench-admin-token"  # the engine's admin token (its weight updates need it)
+ADMIN = {"Authorization": f"Bearer {BENCH_TOKEN}"}
+
+
 class Client:
     """The load generator: aiohttp (cheap per request), or httpx (what the rollout uses) for comparison."""
 
@@ -116,14 +120,15 @@ class Client:
         self.aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4))
         limits = httpx.Limits(max_connections=4 * MAX_BATCH, max_keepalive_connections=4 * MAX_BATCH,
                               keepalive_expiry=4)
-        self.httpx = httpx.AsyncClient(timeout=600, limits=limits)
+        self.httpx = httpx.AsyncClient(timeout=600, limits=limits, headers=ADMIN)
 
     async def post(self, url: str, body: dict[str, Any]) -> Any:
         if self.use_httpx:
             resp = await self.httpx.post(url, json=body)
             resp.raise_for_status()
             return resp.json()
-        async with self.aio.post(url, data=orjson.dumps(body), headers={"content-type": "application/json"}) as r:
+        headers = {"content-type": "application/json", **ADMIN}
+        async with self.aio.post(url, data=orjson.dumps(body), headers=headers) as r:
             r.raise_for_status()
             return orjson.loads(await r.read())
 
@@ -217,7 +222,7 @@ async def _one_concurrency(http: Client, url: str, gen: Generate, c: int) -> dic
 
 
 def _start(model_dir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ENGINE_ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ENGINE_ROOT), "HF_HUB_OFFLINE": "1", "TANDEM_ADMIN_TOKEN": BENCH_TOKEN}
     port, rport = free_port(), free_port()
     engine = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "services.engine", "--model-path", str(model_dir), "--port", str(port),
