@@ -23,7 +23,7 @@ from services.coordinator.ledger import GroupLedger
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
-ADMIN_TOKEN = "test-admin-token"  # the admin token the tests' engines and routers are given
+ADMIN_TOKEN = "-test-admin-token"  # the tests' engines' and routers' admin token (a leading "-" is no flag)
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 

@@ -17,8 +17,8 @@ ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 
 
 def new_token() -> str:
-    """A fresh random token (256 bits, URL-safe)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random token (256 bits, hex: it never starts with '-', so no command line takes it for a flag)."""
+    return secrets.token_hex(32)
 
 
 def token_from_env() -> str | None:

@@ -65,7 +65,8 @@ def router_command(port: int, worker_urls: list[str], policy: str = "round_robin
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port or free_port()),
            "--log-level", log_level]
     if admin_token:
-        cmd += ["--api-key", admin_token, "--control-plane-api-keys", f"tandem:rollout:admin:{admin_token}"]
+        # "--flag=value": a token that starts with '-' is never read as a flag
+        cmd += [f"--api-key={admin_token}", f"--control-plane-api-keys=tandem:rollout:admin:{admin_token}"]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     return cmd
