@@ -29,7 +29,7 @@ def make_sample(group: str = "g", reward: float = 0.0, *, agent: str = "A", size
     """A finished turn of role X with the given group, reward and weight version (the default: 3 tokens, 2 learned)."""
     return Sample(agent=agent, role="X", episode_id=episode_id, group_id=group, group_size=size, tokens=list(tokens),
                   loss_mask=list(loss_mask), rollout_logprobs=list(logprobs), reward=reward,
-                  turn_weight_versions=[version], **extra)
+                  weight_versions=[version], **extra)
 
 
 def completion_sample(prompt: Sequence[int], out: Sequence[int], reward: float, group: str, version: int = 0,

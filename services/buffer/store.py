@@ -205,18 +205,18 @@ class SampleStore:
             released = int(await r.get(self.k_released) or 0)
             if self.max_batches is not None and released >= self.max_batches:
                 break  # the run's last step is trained; later samples stay stored, unused
-            step = released + 1
+            version = released + 1  # the weight version the batch trains into
             group_ids = [g.decode() for g in await r.lrange(self.k_ready, 0, self.gpb - 1)]
             groups = {g: await self.group_samples(g) for g in group_ids}
             stale = [g for g, ss in groups.items()
-                     if not ss or (step - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
+                     if not ss or (version - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
             if stale:
                 for g in stale:
                     await self.drop(g, groups[g], "stale")
                     dropped.append(GroupVerdict(g, "dropped", "stale", was_kept=True))
                 continue
             samples = [s for g in group_ids for s in groups[g]]
-            batch = Batch(agent=self.agent, step=step, samples=samples)
+            batch = Batch(agent=self.agent, weight_version=version, samples=samples)
             async with r.pipeline(transaction=True) as pipe:
                 pipe.xadd(self.bus.streams.batches(self.agent), {FIELD: encode(batch)})
                 pipe.ltrim(self.k_ready, self.gpb, -1)
