@@ -29,7 +29,7 @@ from services.contracts.messages import (
     WeightsUpdate,
 )
 
-SAMPLE = Sample(agent="A", role="X", episode_id="e1", group_id="g1", group_size=2, tokens=[1, 2, 3, 4],
+SAMPLE = Sample(agent="A", role="X", episode_id="e1", group_id="g1", group_samples=2, tokens=[1, 2, 3, 4],
                 loss_mask=[0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, -0.1], reward=1.0,
                 weight_versions=[3], engines=["A-0"], reply_ids=["r1"])
 

@@ -36,7 +36,7 @@ def config(tmp_path: Path, model: Path, redis_url: str, **agent: object) -> Tand
 
 
 def sample(group: str, reward: float, nan: bool = False) -> Sample:
-    s = Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=[5, 6, 7, 40, 41],
+    s = Sample(agent="A", role="X", episode_id="e", group_id=group, group_samples=2, tokens=[5, 6, 7, 40, 41],
                loss_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, 0.0, -3.0, -3.0], reward=reward,
                weight_versions=[0])
     if nan:  # past the contract (model_copy does not validate): what a buggy producer could still hand over

@@ -23,7 +23,7 @@ from services.training.backends import make_policy
 
 
 def sample(group: str, reward: float) -> Sample:
-    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=[5, 6, 7, 40, 41],
+    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_samples=2, tokens=[5, 6, 7, 40, 41],
                   loss_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, 0.0, -3.0, -3.0], reward=reward,
                   weight_versions=[0])
 

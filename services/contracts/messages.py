@@ -15,7 +15,8 @@ control command ``eval`` are gone.
 
 Schema 3: one name per concept (docs/architecture.md §3). A weight version is ``weight_version``
 everywhere (``Batch.step``, ``WeightsUpdate.version`` and the events' ``version``/``step``/``batch_step``
-renamed), a sample's per-turn versions are ``Sample.weight_versions``.
+renamed), a sample's per-turn versions are ``Sample.weight_versions``; ``Sample.group_samples`` (was
+``group_size``) is the agent's share of its group, not ``environment.group_size`` (the group's episodes).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class Sample(Message):
     role: str
     episode_id: str
     group_id: str
-    group_size: int = Field(ge=1)
+    group_samples: int = Field(ge=1, description="how many samples the agent has in this group (its share of the "
+                               "group; environment.group_size counts the group's episodes)")
     tokens: list[TokenId] = Field(min_length=1)
     loss_mask: list[int]
     rollout_logprobs: list[Logprob]

@@ -234,11 +234,11 @@ class Coordinator:
         timeout = self.cfg.run.group_timeout_s
         try:
             done = await asyncio.wait_for(self.play_group(index, roles, group_id), timeout)
-            counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
-                      for a in agents}
-            samples = [sample for r in done for sample in r.samples(counts)]
+            group_samples = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
+                             for a in agents}
+            samples = [sample for r in done for sample in r.samples(group_samples)]
             empty = {a: "episode error: every episode of the group failed" if not done else "no turn in any episode"
-                     for a in agents if not counts[a]}
+                     for a in agents if not group_samples[a]}
             means = await self.ledger.emit(group_id, samples, empty)
             emitted = set(means)
             for agent, mean in means.items():

@@ -70,17 +70,18 @@ class EpisodeResult:
     summary: dict[str, Any]
     purpose: str
 
-    def samples(self, group_size: dict[str, int]) -> list[Sample]:
-        """One Sample per view of an agent in ``group_size`` that generated something."""
+    def samples(self, group_samples: dict[str, int]) -> list[Sample]:
+        """One Sample per view of an agent in ``group_samples`` (agent -> its samples in the whole group, the
+        ``Sample.group_samples`` the buffer completes the group at) that generated something."""
         out = []
         for role, view in self.views.items():
-            if (not isinstance(view.player, AgentPlayer) or view.player.agent not in group_size
+            if (not isinstance(view.player, AgentPlayer) or view.player.agent not in group_samples
                     or not any(view.loss_mask)):
                 continue  # a frozen or in-process player: not trained
             agent = view.player.agent
             out.append(Sample(
                 agent=agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
-                group_size=group_size[agent], tokens=view.tokens, loss_mask=view.loss_mask,
+                group_samples=group_samples[agent], tokens=view.tokens, loss_mask=view.loss_mask,
                 rollout_logprobs=view.rollout_logprobs, reward=self.rewards.get(role, 0.0),
                 weight_versions=view.weight_versions, engines=view.engines, reply_ids=view.reply_ids,
             ))

@@ -41,7 +41,7 @@ def game_view(tokenizer, seed: int, group: int) -> Sample:  # type: ignore[no-un
             mask += [0] * len(prompt) + [1] * len(out) + [0] * len(closing)
         result = asyncio.run(env.step(role, reply))
         done, rewards = result.done, result.rewards
-    return Sample(agent="A", role="X", episode_id=f"e{seed}", group_id=f"g{group}", group_size=GROUP_SIZE,
+    return Sample(agent="A", role="X", episode_id=f"e{seed}", group_id=f"g{group}", group_samples=GROUP_SIZE,
                   tokens=tokens, loss_mask=mask, rollout_logprobs=[-1.0 * m for m in mask],
                   reward=rewards.get("X", 0.0), weight_versions=[0])
 
