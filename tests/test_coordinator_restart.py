@@ -88,9 +88,8 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     assert a.loaded_weight_version == 1 and a.loaded_weight_versions == [1]
     assert [t["weight_version"] for t in a.train_steps] == [1, 2]
     assert {k: a.train_steps[0][k] for k in STEP} == STEP
-    assert second.pool_paths["A"] == [str(tiny_model_dir), "/ckpt/A/v1"]
-    assert second.resolve_pool({"O": Pool(agent="A")})["O"] in {Local(path=p, agent="A")
-                                                                for p in second.pool_paths["A"]}
+    assert (pool := second.pool_paths["A"]) == [str(tiny_model_dir), "/ckpt/A/v1"]
+    assert second.resolve_pool({"O": Pool(agent="A")})["O"] in {Local(path=p, agent="A") for p in pool}
     assert (a.eval_start, b.eval_start) == (0.4, 0.3) and [e["label"] for e in second.evals] == ["start"]
     assert len(a.group_rewards) == 2 and len(b.group_rewards) == 1
     for ev in events["A"] + events["B"]:  # the events stream redelivers what it had not acknowledged
