@@ -34,9 +34,9 @@ from services.rollout.engine_client import EngineClient
 from services.rollout.service import RolloutService
 from tests.helpers import emit
 
-GOOD: dict[str, Any] = {"agent": "A", "role": "X", "episode_id": "e", "group_id": "g", "group_size": 2,
+GOOD: dict[str, Any] = {"agent": "A", "role": "X", "episode_id": "e", "group_id": "g", "group_samples": 2,
                         "tokens": [5, 6, 40], "loss_mask": [0, 1, 1], "rollout_logprobs": [0.0, -1.0, -0.5],
-                        "reward": 1.0, "turn_weight_versions": [0]}
+                        "reward": 1.0, "weight_versions": [0]}
 
 
 def config(tmp_path: Path, model: Path) -> TandemConfig:
@@ -56,7 +56,7 @@ def test_sample_and_reply_logprobs_must_be_finite_and_at_most_zero(bad: float) -
 
 def test_token_ids_are_non_negative_and_wire_types_strict() -> None:
     for field, value in (("tokens", [5, -5, 40]), ("tokens", [5, True, 40]), ("reward", "1.0"),
-                         ("group_size", 2.0), ("turn_weight_versions", ["0"])):
+                         ("group_samples", 2.0), ("weight_versions", ["0"])):
         with pytest.raises(ValidationError, match=field):
             Sample(**{**GOOD, field: value})
     with pytest.raises(ValidationError, match="input_ids"):
@@ -88,7 +88,7 @@ async def test_buffer_rejects_an_out_of_vocabulary_sample_alone_and_abandons_its
     bus = Bus(redis_url, "wv", "buffer-A")
     s = bus.streams
     buffer = BufferService(cfg, "A", bus)
-    g1 = [Sample(**{**GOOD, "group_id": "g1", "group_size": 3, "tokens": tokens, "reward": r})
+    g1 = [Sample(**{**GOOD, "group_id": "g1", "group_samples": 3, "tokens": tokens, "reward": r})
           for tokens, r in (([5, 6, 40], 1.0), ([5, 6, 10**6], 1.0), ([5, 6, 40], 0.0))]
     g2 = [Sample(**{**GOOD, "group_id": "g2", "reward": r}) for r in (1.0, 0.0)]
     await emit(bus, *g1, *g2)  # the coordinator emitted both (a buggy environment made g1's second sample)
@@ -113,7 +113,7 @@ async def test_buffer_rejects_an_out_of_vocabulary_sample_alone_and_abandons_its
     await bus.close()
 
 
-async def test_buffer_takes_group_size_and_membership_from_the_coordinators_record(
+async def test_buffer_takes_group_samples_and_membership_from_the_coordinators_record(
         redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Forged samples on the real stream, read by the buffer's real consumer loop: a group of one the coordinator
     never emitted, an intruder claiming to complete a real group alone, and a member claiming a group size of 1.
@@ -124,9 +124,9 @@ async def test_buffer_takes_group_size_and_membership_from_the_coordinators_reco
     buffer = BufferService(cfg, "A", bus)
     g1 = [Sample(**{**GOOD, "group_id": "g1", "reward": r}) for r in (1.0, 0.0)]
     g2 = [Sample(**{**GOOD, "group_id": "g2", "reward": r}) for r in (1.0, 0.0)]
-    forged = {"alone": Sample(**{**GOOD, "group_id": "forged", "group_size": 1}),
-              "intruder": Sample(**{**GOOD, "group_id": "g1", "group_size": 1}),
-              "member": g2[0].model_copy(update={"group_size": 1})}
+    forged = {"alone": Sample(**{**GOOD, "group_id": "forged", "group_samples": 1}),
+              "intruder": Sample(**{**GOOD, "group_id": "g1", "group_samples": 1}),
+              "member": g2[0].model_copy(update={"group_samples": 1})}
     for f in forged.values():  # ahead of the real samples
         await bus.publish(s.samples("A"), f)
     await emit(bus, *g1, *g2)
@@ -141,7 +141,7 @@ async def test_buffer_takes_group_size_and_membership_from_the_coordinators_reco
     reasons = {name: letters[encode(f)] for name, f in forged.items()}
     assert "the coordinator emitted no group 'forged' to agent 'A'" in reasons["alone"]
     assert "not one of the 2 samples the coordinator emitted in the group" in reasons["intruder"]
-    assert "group_size = 1 disagrees with the coordinator's record of the group (2 samples)" in reasons["member"]
+    assert "group_samples = 1 disagrees with the coordinator's record of the group (2 samples)" in reasons["member"]
     (batch,) = [decode(f[FIELD], Batch) for _, f in await bus.redis.xrange(s.batches("A"))]
     assert {x.id for x in batch.samples} == {x.id for x in g1}  # the real group went on, the intruder did not
     verdicts = {e.group_id: e.outcome for _, f in await bus.redis.xrange(s.events)

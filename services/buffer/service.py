@@ -6,7 +6,7 @@ stale at release are reported dropped.
 
 A sample is checked against the coordinator's record of its group first (store.py ``vouch``): one the
 coordinator never emitted (an unknown group, an id not among the group's members) is rejected alone and
-its group, if any, goes on untouched. A member that claims a ``group_size`` other than the record's, or
+its group, if any, goes on untouched. A member that claims a ``group_samples`` other than the record's, or
 whose token ids fall outside the agent's vocabulary (its model's ``config.json``), is rejected alone
 (``Reject``: dead-lettered with the reason); its group is abandoned at once and reported, so the
 coordinator replaces it without waiting for the group timeout (docs/architecture.md §2.3).
@@ -70,9 +70,9 @@ class BufferService:
         for v in dropped:
             await self.report(v)
         for b in batches:
-            self.log.info("released batch for step %d: %d samples", b.step, len(b.samples))
+            self.log.info("released batch for version %d: %d samples", b.weight_version, len(b.samples))
             await self.bus.publish(self.bus.streams.events, BatchReleased(
-                source=self.bus.service, agent=self.agent, step=b.step, samples=len(b.samples)))
+                source=self.bus.service, agent=self.agent, weight_version=b.weight_version, samples=len(b.samples)))
 
     async def report(self, v: GroupVerdict) -> None:
         await self.bus.publish(self.bus.streams.events, GroupDone(

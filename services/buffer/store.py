@@ -6,9 +6,9 @@ A sample is durable (HSET) before its stream entry is acknowledged, and
 storing it twice is a no-op, so redelivery never duplicates. Who is in a group is
 the coordinator's record (its ledger entry, ``streams.group_ledger``: the ids of the samples
 it emitted to this agent), never the sample's claim: a sample of a group the coordinator never
-emitted here, or not among its members, or whose ``group_size`` disagrees with the record, is
-refused (``Unvouched``; docs/architecture.md §2.3). A group is
-complete when every member of it is stored; it is then kept
+emitted here, or not among its members, or whose ``group_samples`` (the agent's share of the
+group, not ``environment.group_size``) disagrees with the record, is refused (``Unvouched``;
+docs/architecture.md §2.3). A group is complete when every member of it is stored; it is then kept
 (pushed on the ready queue) or dropped (zero-variance filter). A batch takes
 the ``groups_per_batch`` oldest ready groups, drops any that are staler than
 ``max_staleness`` for the step it trains towards, and is written to
@@ -69,9 +69,9 @@ def vouch(sample: Sample, members: list[str] | None, agent: str) -> list[str]:
     if sample.id not in members:
         raise Unvouched(f"not one of the {len(members)} samples the coordinator emitted in the group",
                         member=False)
-    if sample.group_size != len(members):
-        raise Unvouched(f"group_size = {sample.group_size} disagrees with the coordinator's record of the group "
-                        f"({len(members)} samples)", member=True)
+    if sample.group_samples != len(members):
+        raise Unvouched(f"group_samples = {sample.group_samples} disagrees with the coordinator's record of the "
+                        f"group ({len(members)} samples)", member=True)
     return members
 
 
@@ -162,12 +162,12 @@ class SampleStore:
             _, _, size = await pipe.execute()
         if size < expected:
             return None
-        samples = await self.group_samples(sample.group_id)
+        samples = await self.stored_samples(sample.group_id)
         if self.filter_zero_variance and len({s.reward for s in samples}) == 1:
             return await self.decide(sample.group_id, "dropped", "zero reward variance", samples)
         return await self.decide(sample.group_id, "kept")
 
-    async def group_samples(self, group_id: str) -> list[Sample]:
+    async def stored_samples(self, group_id: str) -> list[Sample]:
         ids = sorted(await self.bus.redis.smembers(self.k_group(group_id)))
         raws = await self.bus.redis.hmget(self.k_samples, ids) if ids else []
         return [decode(raw, Sample) for raw in raws if raw is not None]
@@ -198,7 +198,7 @@ class SampleStore:
             for gid in overdue:
                 reason = (f"dead-lettered sample: {letters[gid]}" if gid in letters
                           else f"timeout: incomplete {timeout_s:g}s after emission")
-                verdict = await self.decide(gid, "abandoned", reason, await self.group_samples(gid))
+                verdict = await self.decide(gid, "abandoned", reason, await self.stored_samples(gid))
                 if verdict.outcome == "abandoned" and verdict.reason == reason:
                     out.append(verdict)
         return out
@@ -210,7 +210,7 @@ class SampleStore:
         async with self.lock:
             if await self.bus.redis.zscore(self.k_pending, group_id) is None:
                 return None
-            verdict = await self.decide(group_id, "abandoned", reason, await self.group_samples(group_id))
+            verdict = await self.decide(group_id, "abandoned", reason, await self.stored_samples(group_id))
         return verdict if verdict.outcome == "abandoned" and verdict.reason == reason else None
 
     async def samples_waiting(self) -> bool:
@@ -252,18 +252,18 @@ class SampleStore:
             released = int(await r.get(self.k_released) or 0)
             if self.max_batches is not None and released >= self.max_batches:
                 break  # the run's last step is trained; later samples stay stored, unused
-            step = released + 1
+            version = released + 1  # the weight version the batch trains into
             group_ids = [g.decode() for g in await r.lrange(self.k_ready, 0, self.gpb - 1)]
-            groups = {g: await self.group_samples(g) for g in group_ids}
+            groups = {g: await self.stored_samples(g) for g in group_ids}
             stale = [g for g, ss in groups.items()
-                     if not ss or (step - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
+                     if not ss or (version - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
             if stale:
                 for g in stale:
                     await self.drop(g, groups[g], "stale")
                     dropped.append(GroupVerdict(g, "dropped", "stale", was_kept=True))
                 continue
             samples = [s for g in group_ids for s in groups[g]]
-            batch = Batch(agent=self.agent, step=step, samples=samples)
+            batch = Batch(agent=self.agent, weight_version=version, samples=samples)
             async with r.pipeline(transaction=True) as pipe:
                 pipe.xadd(self.bus.streams.batches(self.agent), {FIELD: encode(batch)})
                 pipe.ltrim(self.k_ready, self.gpb, -1)

@@ -13,9 +13,13 @@ Schema 2: events are a discriminated union on ``kind`` (one model per kind, type
 of a ``data`` dict); the never-sent event kinds ``health`` and ``error`` and the never-sent
 control command ``eval`` are gone.
 
-Schema 3 (docs/architecture.md §2.3): ``WeightsUpdate`` carries a required ``signature`` (HMAC of the
-update with the run's secret) next to its ``checksum``. A schema-2 producer's update (no signature) is
-rejected at decode naming ``schema_version``, not refused later as merely unsigned.
+Schema 3: one name per concept (docs/architecture.md §3). A weight version is ``weight_version``
+everywhere (``Batch.step``, ``WeightsUpdate.version`` and the events' ``version``/``step``/``batch_step``
+renamed), a sample's per-turn versions are ``Sample.weight_versions``; ``Sample.group_samples`` (was
+``group_size``) is the agent's share of its group, not ``environment.group_size`` (the group's episodes).
+And ``WeightsUpdate`` carries a required ``signature`` (HMAC of the update with the run's secret, §2.3)
+next to its ``checksum``: a schema-2 producer's update (no signature) is rejected at decode naming
+``schema_version``, not refused later as merely unsigned.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class GenerateRequest(Message):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+"""Why a generation ended: the one definition (SGLang's ``finish_reason.type``; ``sglang_api.FinishInfo``)."""
 
 
 class GenerateReply(Message):
@@ -111,13 +116,14 @@ class Sample(Message):
     role: str
     episode_id: str
     group_id: str
-    group_size: int = Field(ge=1)
+    group_samples: int = Field(ge=1, description="how many samples the agent has in this group (its share of the "
+                               "group; environment.group_size counts the group's episodes)")
     tokens: list[TokenId] = Field(min_length=1)
     loss_mask: list[int]
     rollout_logprobs: list[Logprob]
     reward: FiniteFloat
     reward_terms: dict[str, FiniteFloat] = Field(default_factory=dict)
-    turn_weight_versions: list[int] = Field(min_length=1)
+    weight_versions: list[int] = Field(min_length=1, description="per generated turn, the weight version")
     engines: list[str] = Field(default_factory=list)
     reply_ids: list[str] = Field(default_factory=list)
 
@@ -137,24 +143,25 @@ class Sample(Message):
 
     @property
     def min_weight_version(self) -> int:
-        return min(self.turn_weight_versions)
+        return min(self.weight_versions)
 
 
 class Batch(Message):
     """batches:{agent} — the samples of ``groups`` complete GRPO groups."""
 
     agent: str
-    step: int = Field(ge=1, description="the weight version this batch trains towards")
+    weight_version: int = Field(ge=1, description="the weight version this batch trains into (the version the "
+                                "step on it makes)")
     samples: list[Sample] = Field(min_length=1)
 
 
 class WeightsUpdate(Message):
     """weights:{agent} — a new HF-format weight directory is ready. ``checksum``: SHA-256 over the directory's
-    files; ``signature``: HMAC-SHA256 of (agent, version, path, checksum) with the run's secret (the rollout
+    files; ``signature``: HMAC-SHA256 of (agent, weight_version, path, checksum) with the run's secret (the rollout
     refuses an update without a valid one: services.common.weights_auth)."""
 
     agent: str
-    version: int = Field(ge=1)
+    weight_version: int = Field(ge=1)
     path: str
     checksum: str = Field(min_length=1)
     signature: str = Field(min_length=1)
@@ -168,21 +175,21 @@ class EventBase(Message):
 
 
 class WeightsLoaded(EventBase):
-    """rollout → the agent's engines now serve ``version`` (loaded from ``path``)."""
+    """rollout → the agent's engines now serve ``weight_version`` (loaded from ``path``)."""
 
     kind: Literal["weights_loaded"] = "weights_loaded"
-    version: int = Field(ge=0)
+    weight_version: int = Field(ge=0)
     path: str
     engines: list[str]
 
 
 class TrainStep(EventBase):
-    """trainer → version ``version`` is committed; ``metrics`` are the step's (flat: loss terms, kl, entropy,
+    """trainer → version ``weight_version`` is committed; ``metrics`` are the step's (flat: loss terms, kl, entropy,
     clip_frac, grad_norm, lr, tokens_per_s, TIS statistics, algorithm, backend ...)."""
 
     kind: Literal["train_step"] = "train_step"
-    version: int = Field(ge=1)
-    batch_step: int = Field(ge=1, description="the step of the batch it trained on")
+    weight_version: int = Field(ge=1)
+    batch_weight_version: int = Field(ge=1, description="the weight_version of the batch it trained on")
     metrics: dict[str, float | int | str | None]
 
 
@@ -193,7 +200,7 @@ class TrainStepSkipped(EventBase):
 
     kind: Literal["train_step_skipped"] = "train_step_skipped"
     batch_id: str
-    batch_step: int = Field(ge=1)
+    batch_weight_version: int = Field(ge=1)
     reason: str
     sample_ids: list[str]
     group_ids: list[str]
@@ -215,10 +222,10 @@ class GroupDone(EventBase):
 
 
 class BatchReleased(EventBase):
-    """buffer → the batch for ``step`` (``samples`` samples) is on ``batches:{agent}``."""
+    """buffer → the batch for ``weight_version`` (``samples`` samples) is on ``batches:{agent}``."""
 
     kind: Literal["batch_released"] = "batch_released"
-    step: int = Field(ge=1)
+    weight_version: int = Field(ge=1)
     samples: int = Field(ge=1)
 
 
