@@ -1,4 +1,4 @@
-"""A tinker-cookbook recipe, unmodified, trains against a live ``tandem serve`` and resumes from its checkpoint.
+"""A tinker-cookbook recipe trains against a live ``tandem serve`` (docs/architecture.md §12) and resumes.
 
 The recipe is the cookbook's multiplayer RL tic-tac-toe (``recipes/multiplayer_rl/text_arena``):
 self-play on one LoRA client, evaluation against the untrained base model sampled at the same
