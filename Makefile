@@ -10,13 +10,18 @@ CONFIG ?= configs/demo.yaml
 UP_FLAGS ?=
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
+# tinker-cookbook, a CLIENT of `tandem serve`, in a virtualenv of its own: it pins transformers<=5.5.4,
+# older than the project's. tests/test_tinker_cookbook.py runs one of its recipes from there.
+COOKBOOK_VENV ?= build/cookbook-venv
+COOKBOOK_SPEC ?= tinker==0.38.0 tinker-cookbook==0.5.8 transformers==5.5.4 textarena==0.7.4
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(COOKBOOK_SPEC)' | md5sum | cut -c1-12)
 
 # the dashboard's chart library, vendored from npm into the package (make dashboard-assets; committed)
 UPLOT_VERSION ?= 1.6.32
 DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-fast bench lint clean browser dashboard-assets
+.PHONY: install run test test-fast bench lint clean browser dashboard-assets cookbook-venv
 
 install: $(VENV)/.installed
 
@@ -26,6 +31,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	$(PIP) install -q --no-deps "$(SGLANG_SPEC)"
+	touch $@
+
+cookbook-venv: $(COOKBOOK_STAMP)
+
+$(COOKBOOK_STAMP):
+	rm -rf $(COOKBOOK_VENV)
+	$(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(COOKBOOK_VENV)/bin/python -m pip install -q $(COOKBOOK_SPEC)
 	touch $@
 
 run: install
@@ -47,7 +61,7 @@ dashboard-assets:
 	cd - >/dev/null && cp $$tmp/package/dist/uPlot.iife.min.js $$tmp/package/dist/uPlot.min.css $(DASH_VENDOR)/ && \
 	cp $$tmp/package/LICENSE $(DASH_VENDOR)/uPlot.LICENSE && rm -rf $$tmp
 
-test: install browser
+test: install browser cookbook-venv
 	$(VENV)/bin/ruff check services tests
 	$(PY) -m pytest -q
 

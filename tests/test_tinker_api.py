@@ -209,3 +209,24 @@ def test_sampling_params_stop_seed_and_greedy(service: tinker.ServiceClient, tin
     seeded = [base.sample(prompt, 3, types.SamplingParams(max_tokens=8, seed=11, stop=[])).result() for _ in range(2)]
     assert [s.tokens for s in seeded[0].sequences] == [s.tokens for s in seeded[1].sequences]
     assert len({tuple(s.tokens) for s in seeded[0].sequences}) > 1  # each sample draws its own stream
+
+
+def test_a_sampler_engine_leaves_the_trainers_threads(tiny_model_dir: Path):
+    """The engine sets torch to one thread; a trainer thread the service starts later must not inherit it."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.tinker_api.sampler import SamplerPool
+
+    async def load(pool: SamplerPool) -> list[str]:
+        async with pool.engine(str(tiny_model_dir)):
+            return pool.loaded()
+
+    threads = torch.get_num_threads()
+    pool = SamplerPool(capacity=1, max_batch=4)
+    try:
+        assert asyncio.run(load(pool)) == [str(tiny_model_dir)]
+        with ThreadPoolExecutor(1) as later:
+            assert later.submit(torch.get_num_threads).result() == threads
+    finally:
+        pool.stop()

@@ -37,7 +37,7 @@ class SamplerPool:
         async with self._lock:
             engine = self._engines.get(weights_dir)
             if engine is None:
-                engine = await asyncio.to_thread(Engine, weights_dir, 0, self.max_batch)
+                engine = await asyncio.to_thread(self._start, weights_dir)
                 self._engines[weights_dir] = engine
             self._engines.move_to_end(weights_dir)
             self._busy[weights_dir] = self._busy.get(weights_dir, 0) + 1
@@ -46,6 +46,14 @@ class SamplerPool:
             yield engine
         finally:
             self._busy[weights_dir] -= 1
+
+    def _start(self, weights_dir: str) -> Engine:
+        """A new engine; the trainer's thread count is kept (an engine sets torch's to 1 for threads made later)."""
+        threads = torch.get_num_threads()
+        try:
+            return Engine(weights_dir, 0, self.max_batch)
+        finally:
+            torch.set_num_threads(threads)
 
     def _evict(self) -> None:
         for key in list(self._engines):

@@ -116,7 +116,8 @@ class TinkerService:
         spec = {"base_model": req.base_model, "rank": lora.rank,
                 "seed": lora.seed if lora.seed is not None else random.getrandbits(31),
                 "train_mlp": lora.train_mlp, "train_attn": lora.train_attn, "train_unembed": lora.train_unembed,
-                "session_id": req.session_id}
+                "session_id": req.session_id, "user_metadata": req.user_metadata or {},
+                "created": time.time()}
         await self.store.put("model", model_id, spec, only_new=True)
         rid = await self.submit_op("create_model", model_id, 0, req.model_dump_json().encode())
         return rid, model_id
@@ -286,7 +287,8 @@ class TinkerService:
             spec = {k: meta[k] for k in ("base_model", "rank", "seed", "train_mlp", "train_attn", "train_unembed")}
             if req.base_model:
                 spec["base_model"] = req.base_model
-            await self.store.put("model", model_id, {**spec, "session_id": session_id})
+            await self.store.put("model", model_id, {**spec, "session_id": session_id, "created": time.time(),
+                                                     "user_metadata": req.user_metadata or {}})
             await self._train(self.workshop.create, model_id, spec)
         await self._train(self.workshop.load, model_id, req.path, req.optimizer)
         return _json({"path": req.path, "model_id": model_id, "type": "load_weights"}), JSON

@@ -50,6 +50,7 @@ class CreateModel(Body):
     base_model: str = Field(min_length=1)
     lora_config: LoraSpec | None = None
     optimizer_config: dict[str, Any] | None = None
+    user_metadata: dict[str, Any] | None = None
 
 
 class ModelRef(Body):
@@ -86,6 +87,7 @@ class LoadWeights(Body):
     session_id: str | None = None
     model_seq_id: int | None = None
     base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
     path: str
     optimizer: bool
 
