@@ -67,11 +67,12 @@ def _warm_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_warm_model(cache: Path) -> Path:
-    """The warm-started demo model in ``cache``, made there first if no run has made it from this code.
+def copy_warm_model(cache: Path, dest: Path) -> Path:
+    """Copy the warm-started demo model cached in ``cache`` to ``dest``, made there first if no run has made
+    it from this code (and the copies of older code removed).
 
     Keyed by a hash of ``WARM_SOURCES``, the arguments and the torch and transformers versions (the warm
-    start is deterministic); made once under a file lock, so concurrent sessions wait for one another.
+    start is deterministic); made and copied under a file lock, so concurrent sessions wait for one another.
     """
     cache.mkdir(parents=True, exist_ok=True)
     model = cache / f"warm-{_warm_key()}"
@@ -80,16 +81,14 @@ def cached_warm_model(cache: Path) -> Path:
         if not (model / "warmstart.json").exists():
             from services.demo.warmstart import warmstart
 
-            partial = cache / f"{model.name}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            warmstart(partial, **WARM_ARGS)
-            shutil.rmtree(model, ignore_errors=True)
-            partial.rename(model)
-    return model
+            for old in cache.glob("warm-*"):
+                shutil.rmtree(old)
+            warmstart(cache / f"{model.name}.partial", **WARM_ARGS)
+            (cache / f"{model.name}.partial").rename(model)
+        return Path(shutil.copytree(model, dest))
 
 
 @pytest.fixture(scope="session")
 def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small warm-started demo model (legal tic-tac-toe moves): a copy of the one cached in build/."""
-    cached = cached_warm_model(REPO / "build" / "test-cache")
-    return Path(shutil.copytree(cached, tmp_path_factory.mktemp("warm") / "model"))
+    """A small warm-started demo model (legal tic-tac-toe moves), cached in build/ across runs."""
+    return copy_warm_model(REPO / "build" / "test-cache", tmp_path_factory.mktemp("warm") / "model")
