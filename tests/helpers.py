@@ -27,9 +27,9 @@ def make_sample(group: str = "g", reward: float = 0.0, *, agent: str = "A", size
                 episode_id: str = "e", tokens: Sequence[int] = (1, 2, 3), loss_mask: Sequence[int] = (0, 1, 1),
                 logprobs: Sequence[float] = (0.0, -0.1, -0.2), **extra: Any) -> Sample:
     """A finished turn of role X with the given group, reward and weight version (the default: 3 tokens, 2 learned)."""
-    return Sample(agent=agent, role="X", episode_id=episode_id, group_id=group, group_size=size, tokens=list(tokens),
+    return Sample(agent=agent, role="X", episode_id=episode_id, group_id=group, group_samples=size, tokens=list(tokens),
                   loss_mask=list(loss_mask), rollout_logprobs=list(logprobs), reward=reward,
-                  turn_weight_versions=[version], **extra)
+                  weight_versions=[version], **extra)
 
 
 def completion_sample(prompt: Sequence[int], out: Sequence[int], reward: float, group: str, version: int = 0,

@@ -19,12 +19,10 @@ class CountUpParams(EnvParams):
     target: int = Field(3, ge=1, le=9, description="the number that ends the game")
 
 
-class CountUp(Environment):
+class CountUp(Environment[CountUpParams]):
     roles: ClassVar[tuple[str, ...]] = ("left", "right")
     description: ClassVar[str] = "Say the next number in turn; a wrong number loses."
     scripted_players: ClassVar[tuple[str, ...]] = ("counter",)
-    Params: ClassVar[type[EnvParams]] = CountUpParams
-    params: CountUpParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)

@@ -190,7 +190,7 @@ def test_dpo_pairs_best_and_worst_of_each_group_and_keeps_pairs_together() -> No
 
 
 def test_sft_filter_and_stale_flags() -> None:
-    samples = [sample("g", 0.0, "a"), sample("g", 1.0, "b").model_copy(update={"turn_weight_versions": [2, 3]})]
+    samples = [sample("g", 0.0, "a"), sample("g", 1.0, "b").model_copy(update={"weight_versions": [2, 3]})]
     plan = make_algorithm(AlgorithmConfig(name="sft", sft_min_reward=0.5)).prepare(samples, 3)
     assert [s.id for s in plan.samples] == ["b"] and plan.stale.tolist() == [True]
     plan = make_algorithm(AlgorithmConfig(name="grpo")).prepare(samples, 2)  # a: version 0 < 2 ; b: oldest turn 2

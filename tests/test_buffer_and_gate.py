@@ -42,7 +42,7 @@ async def test_a_batch_takes_whole_groups_once(redis_url):
     released, dropped = await store.release()
     assert len(released) == 1 and not dropped  # max_batches caps the run's last step
     (batch,) = await batches(bus)
-    assert batch.step == 1 and {s.group_id for s in batch.samples} == {"g1", "g2"}
+    assert batch.weight_version == 1 and {s.group_id for s in batch.samples} == {"g1", "g2"}
     assert len(batch.samples) == 4
     assert await bus.redis.hlen(store.k_samples) == 4  # g3, g4 wait, unused
     await bus.close()
@@ -58,7 +58,7 @@ async def test_stale_groups_are_dropped_and_reported_as_once_kept(redis_url):
     await store.add(sample("new", 0.0, version=3))
     released, dropped = await store.release()
     assert [d.group_id for d in dropped] == ["old"] and dropped[0].was_kept and dropped[0].reason == "stale"
-    assert [b.step for b in released] == [4]
+    assert [b.weight_version for b in released] == [4]
     assert {s.group_id for s in released[0].samples} == {"new"}
     await bus.close()
 
@@ -88,7 +88,7 @@ def test_launch_gate_on_policy_and_one_behind():
     for gid in ("g0", "g1"):
         on.resolve_group(gid, "kept")
     assert on.kept_groups == 2 and on.in_flight_groups == 0 and on.blocked_by_staleness()
-    on.loaded_version = 1  # version 1 loaded: the groups of step 2 may start
+    on.loaded_weight_version = 1  # version 1 loaded: the groups of step 2 may start
     assert not on.blocked_by_staleness() and on.wants_groups()
 
 

@@ -29,9 +29,9 @@ from services.contracts.messages import (
     WeightsUpdate,
 )
 
-SAMPLE = Sample(agent="A", role="X", episode_id="e1", group_id="g1", group_size=2, tokens=[1, 2, 3, 4],
+SAMPLE = Sample(agent="A", role="X", episode_id="e1", group_id="g1", group_samples=2, tokens=[1, 2, 3, 4],
                 loss_mask=[0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, -0.1], reward=1.0,
-                turn_weight_versions=[3], engines=["A-0"], reply_ids=["r1"])
+                weight_versions=[3], engines=["A-0"], reply_ids=["r1"])
 
 MESSAGES = [
     GenerateRequest(agent="A", episode_id="e", group_id="g", turn=0, role="X", input_ids=[1, 2],
@@ -39,12 +39,13 @@ MESSAGES = [
     GenerateReply(request_id="r", agent="A", episode_id="e", turn=0, output_ids=[5, 6],
                   output_logprobs=[-0.1, -0.2], finish_reason="stop", weight_version=2, engine="A-0"),
     SAMPLE,
-    Batch(agent="A", step=1, samples=[SAMPLE]),
-    WeightsUpdate(agent="A", version=1, path="/tmp/x", checksum="ab"),
-    TrainStep(source="t", agent="A", version=1, batch_step=1, metrics={"loss": 0.5, "backend": "torch"}),
-    WeightsLoaded(source="t", agent="A", version=1, path="/tmp/x", engines=["http://e0"]),
+    Batch(agent="A", weight_version=1, samples=[SAMPLE]),
+    WeightsUpdate(agent="A", weight_version=1, path="/tmp/x", checksum="ab"),
+    TrainStep(source="t", agent="A", weight_version=1, batch_weight_version=1,
+              metrics={"loss": 0.5, "backend": "torch"}),
+    WeightsLoaded(source="t", agent="A", weight_version=1, path="/tmp/x", engines=["http://e0"]),
     GroupDone(source="t", agent="A", group_id="g", outcome="abandoned", reason="a sample was dead-lettered"),
-    BatchReleased(source="t", agent="A", step=1, samples=4),
+    BatchReleased(source="t", agent="A", weight_version=1, samples=4),
     RolloutLoad(source="t", agent="A", queue_depth=1, engines=[EngineStatus(url="http://e0", healthy=True)]),
     Control(command="pause"),
     DeadLetter(source_stream="s", entry_id="1-0", service="t", reason="bad", payload=b"\x00\x01"),
@@ -55,7 +56,7 @@ MESSAGES = [
 def test_round_trip_is_exact(msg):
     again = decode(encode(msg), type(msg))
     assert again == msg
-    assert again.schema_version == 2 and again.id == msg.id and again.created_at == msg.created_at
+    assert again.schema_version == 3 and again.id == msg.id and again.created_at == msg.created_at
 
 
 def test_events_decode_to_their_kind_and_bad_ones_name_the_field():
@@ -72,13 +73,16 @@ def test_events_decode_to_their_kind_and_bad_ones_name_the_field():
         with pytest.raises(ValidationError, match="kind"):
             decode(msgpack.packb({"kind": kind, "source": "t", "agent": "A"}), Event)
     with pytest.raises(ValidationError, match="data"):  # schema 1's untyped dict
-        decode(msgpack.packb({"kind": "train_step", "source": "t", "agent": "A", "version": 1, "batch_step": 1,
-                              "metrics": {}, "data": {}}), Event)
+        decode(msgpack.packb({"kind": "train_step", "source": "t", "agent": "A", "weight_version": 1,
+                              "batch_weight_version": 1, "metrics": {}, "data": {}}), Event)
     with pytest.raises(ValidationError, match="schema_version"):
-        decode(msgpack.packb({**BatchReleased(source="t", agent="A", step=1, samples=1).model_dump(),
+        decode(msgpack.packb({**BatchReleased(source="t", agent="A", weight_version=1, samples=1).model_dump(),
                               "schema_version": 1}), Event)
     with pytest.raises(ValidationError, match="command"):
         Control(command="eval")
+    with pytest.raises(ValidationError, match="schema_version"):  # schema 2's names (``step``): refused by version
+        decode(msgpack.packb({"kind": "batch_released", "source": "t", "agent": "A", "step": 1, "samples": 1,
+                              "schema_version": 2}), Event)
 
 
 def test_ids_are_unique():

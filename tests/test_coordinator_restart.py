@@ -51,7 +51,7 @@ async def trained(bus: Bus, agent: str, version: int, loaded: bool) -> None:
            "checksum": "c", "metrics": {**STEP, "version": version, "batch_step": version}}
     await bus.redis.rpush(s.train_log(agent), json.dumps(rec))
     if loaded:
-        await bus.redis.set(s.loaded_version(agent), version)
+        await bus.redis.set(s.loaded_weight_version(agent), version)
 
 
 async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_model_dir: Path, tmp_path: Path):
@@ -85,10 +85,11 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     assert (a.kept_groups, a.dropped_groups, a.abandoned_groups, a.in_flight_groups) == (1, 1, 1, 0)
     assert (b.kept_groups, b.dropped_groups, b.abandoned_groups, b.in_flight_groups) == (1, 0, 2, 0)
     assert b.abandon_reasons == {"no turn in any episode": 1, RESTARTED: 1}
-    assert a.loaded_version == 1 and a.versions_loaded == [1] and [t["version"] for t in a.train_steps] == [1, 2]
+    assert a.loaded_weight_version == 1 and a.loaded_weight_versions == [1]
+    assert [t["weight_version"] for t in a.train_steps] == [1, 2]
     assert {k: a.train_steps[0][k] for k in STEP} == STEP
-    assert second.versions["A"] == [str(tiny_model_dir), "/ckpt/A/v1"]
-    assert second.resolve_pool({"O": Pool(agent="A")})["O"] in {Local(path=p, agent="A") for p in second.versions["A"]}
+    assert (pool := second.pool_paths["A"]) == [str(tiny_model_dir), "/ckpt/A/v1"]
+    assert second.resolve_pool({"O": Pool(agent="A")})["O"] in {Local(path=p, agent="A") for p in pool}
     assert (a.eval_start, b.eval_start) == (0.4, 0.3) and [e["label"] for e in second.evals] == ["start"]
     assert len(a.group_rewards) == 2 and len(b.group_rewards) == 1
     for ev in events["A"] + events["B"]:  # the events stream redelivers what it had not acknowledged
@@ -101,7 +102,7 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     # the run ends while the coordinator is down: both agents at their last version, both evaluations done
     bus = Bus(redis_url, "rs", "test")
     await trained(bus, "B", 2, loaded=True)
-    await bus.redis.set(bus.streams.loaded_version("A"), 2)
+    await bus.redis.set(bus.streams.loaded_weight_version("A"), 2)
     await bus.redis.rpush(bus.streams.key("coord:evals"), json.dumps(
         {"label": "end", "time": 2.0, "scores": {"A": 0.6, "B": 0.5}, "details": {}, "versions": {"A": 2, "B": 2}}))
     await bus.close()

@@ -114,10 +114,10 @@ def _state(cfg, steps: int, rewards: list[float]) -> RunState:
     t0 = time.time()
     for name, a in state.agents.items():
         for v in range(1, steps + 1):
-            a.train_steps.append({"version": v, "pg_loss": 0.1 * v, "kl": 0.01, "clip_frac": 0.0,
+            a.train_steps.append({"weight_version": v, "pg_loss": 0.1 * v, "kl": 0.01, "clip_frac": 0.0,
                                   "grad_norm": 1.0, "tokens_per_s": 100.0, "algorithm": "grpo", "time": t0 + v})
-            a.loaded_version = v
-            a.versions_loaded.append(v)
+            a.loaded_weight_version = v
+            a.loaded_weight_versions.append(v)
         a.group_rewards = [(t0 + i, r) for i, r in enumerate(rewards)]
         a.eval_start, a.eval_end = 0.25, 0.5 if name == "A" else 0.4
     state.phase = "done"

@@ -193,11 +193,11 @@ def test_tensorboard_and_wandb_logs_of_the_run(live):
     for agent in ("A", "B"):
         steps = metrics[agent]["train_steps"]
         keys = {k for s in steps for k, v in s.items() if isinstance(v, int | float) and not isinstance(v, bool)
-                and k not in ("version", "time")}
+                and k not in ("weight_version", "time")}
         for key in keys:
             assert f"{agent}/train/{key}" in tags
         # every step the report holds (a step that ends after the report may be logged too)
-        assert {e.step for e in acc.Scalars(f"{agent}/train/pg_loss")} >= {s["version"] for s in steps}
+        assert {e.step for e in acc.Scalars(f"{agent}/train/pg_loss")} >= {s["weight_version"] for s in steps}
         assert len(acc.Scalars(f"{agent}/reward/group")) >= len(metrics[agent]["group_rewards"])
         assert f"{agent}/eval/score" in tags
         for key in ("queue_depth", "weight_version", "groups_kept"):

@@ -154,20 +154,20 @@ def test_trajectories_are_token_exact(run):
                     assert s.rollout_logprobs[i:j] == reply.output_logprobs
                     assert all(lp < 0 or lp == 0 for lp in reply.output_logprobs)
                 assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if not m)
-                assert s.turn_weight_versions == [r.weight_version for r in replies]
+                assert s.weight_versions == [r.weight_version for r in replies]
                 checked += 1
     assert checked >= TOTAL_STEPS * 2 * 2
 
 
 def test_weight_versions_on_samples_rise(run):
     for agent in ("A", "B"):
-        batches = sorted(run["batches"][agent], key=lambda b: b.step)
+        batches = sorted(run["batches"][agent], key=lambda b: b.weight_version)
         firsts = [min(s.min_weight_version for s in b.samples) for b in batches]
         assert firsts == sorted(firsts)
         assert firsts[-1] > firsts[0]
     # agent A is on-policy: batch k is generated wholly by version k-1
     for b in run["batches"]["A"]:
-        assert {v for s in b.samples for v in s.turn_weight_versions} == {b.step - 1}
+        assert {v for s in b.samples for v in s.weight_versions} == {b.weight_version - 1}
 
 
 def test_pause_stops_new_episodes_and_resume_restarts_them(run):

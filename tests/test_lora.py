@@ -71,7 +71,7 @@ def test_lora_reference_is_the_base_and_state_round_trips(tiny_model_dir: Path, 
     first = p.train_step(batch())
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # adapters start as the identity
     assert p.train_step(batch())["kl"] > 0
-    p.save_state(tmp_path / "s", p.version)
+    p.save_state(tmp_path / "s", p.weight_version)
     q = policy(tiny_model_dir, kl_coef=0.1)
     assert q.load_state(tmp_path / "s") == 2
     for (n, x), (_, y) in zip(p.model.named_parameters(), q.model.named_parameters(), strict=True):

@@ -57,7 +57,7 @@ def test_megatron_step_equals_torch_step(tiny_model_dir: Path, tmp_path: Path) -
         metrics[backend] = policy.train_step(SAMPLES)
         path, checksum = policy.save(tmp_path / backend)
         weights[backend] = load_file(path / "model.safetensors")
-        assert len(checksum) == 64 and policy.version == 1
+        assert len(checksum) == 64 and policy.weight_version == 1
     t, m = metrics["torch"], metrics["megatron"]
     for key in ("pg_loss", "loss", "clip_frac", "grad_norm", "grad_norm_mean", "entropy", "ratio_mean"):
         assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-5), key
@@ -106,7 +106,7 @@ def test_save_state_and_load_state_resume_exactly(tiny_model_dir: Path, tmp_path
     first.save_state(tmp_path / "state" / "v00001", 1)
     assert not list((tmp_path / "state").glob("*.tmp*"))
     again = make_policy(agent(tiny_model_dir, lr_scheduler="linear", decay_steps=10), 1.0)
-    assert again.load_state(tmp_path / "state" / "v00001") == 1 and again.version == 1
+    assert again.load_state(tmp_path / "state" / "v00001") == 1 and again.weight_version == 1
     a, b = first.train_step(SAMPLES), again.train_step(SAMPLES)
     assert a["lr"] == b["lr"] and a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     for (n, p), (_, q) in zip(first.model.named_parameters(), again.model.named_parameters(), strict=True):

@@ -53,11 +53,11 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
     coord = Coordinator(cfg, bus)
     step1 = {"train_seconds": 0.7, "tokens_per_s": 900.0, "reward_mean": 0.25, "stale_frac": 0.5}
     events = [
-        TrainStep(source="trainer-A", agent="A", version=1, batch_step=1, metrics=step1),
-        TrainStep(source="trainer-A", agent="A", version=1, batch_step=1, metrics=step1),  # a re-send counts once
-        TrainStep(source="trainer-A", agent="A", version=2, batch_step=2,
+        TrainStep(source="trainer-A", agent="A", weight_version=1, batch_weight_version=1, metrics=step1),
+        TrainStep(source="trainer-A", agent="A", weight_version=1, batch_weight_version=1, metrics=step1),  # re-sent
+        TrainStep(source="trainer-A", agent="A", weight_version=2, batch_weight_version=2,
                   metrics={"train_seconds": 3.0, "tokens_per_s": 1000.0, "reward_mean": 0.5, "stale_frac": 0.0}),
-        WeightsLoaded(source="rollout-A", agent="A", version=2, path="/w/2", engines=[]),
+        WeightsLoaded(source="rollout-A", agent="A", weight_version=2, path="/w/2", engines=[]),
         RolloutLoad(source="rollout-A", agent="A", queue_depth=7, inflight=3, capacity=8, waiting=0,
                     engines=[EngineStatus(url="http://e0", healthy=True, restarts=2)]),
     ]

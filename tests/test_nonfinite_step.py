@@ -36,9 +36,9 @@ def config(tmp_path: Path, model: Path, redis_url: str, **agent: object) -> Tand
 
 
 def sample(group: str, reward: float, nan: bool = False) -> Sample:
-    s = Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=[5, 6, 7, 40, 41],
+    s = Sample(agent="A", role="X", episode_id="e", group_id=group, group_samples=2, tokens=[5, 6, 7, 40, 41],
                loss_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, 0.0, -3.0, -3.0], reward=reward,
-               turn_weight_versions=[0])
+               weight_versions=[0])
     if nan:  # past the contract (model_copy does not validate): what a buggy producer could still hand over
         s = s.model_copy(update={"rollout_logprobs": [0.0, 0.0, 0.0, -3.0, math.nan]})
     return s
@@ -53,7 +53,7 @@ def test_the_step_refuses_a_nan_logprob_and_leaves_the_weights(tiny_model_dir: P
     before = weights(policy)
     with pytest.raises(NonFiniteStep, match="non-finite"):
         policy.train_step([sample("g", 1.0), sample("g", 0.0, nan=True)])
-    assert policy.version == 0
+    assert policy.weight_version == 0
     assert all(torch.equal(a, b) for a, b in zip(before, weights(policy), strict=True))
 
 
@@ -63,7 +63,7 @@ def test_the_step_refuses_an_inf_weight(tiny_model_dir: Path) -> None:
         policy.trainable[0].view(-1)[0] = math.inf
     with pytest.raises(NonFiniteStep, match="non-finite"):
         policy.train_step([sample("g", 1.0), sample("g", 0.0)])
-    assert policy.version == 0
+    assert policy.weight_version == 0
 
 
 async def entries(bus: Bus, stream: str, model: type) -> list:
@@ -83,15 +83,15 @@ async def test_the_trainer_skips_reports_and_stops_after_the_limit(redis_url: st
     before = weights(policy)
     await bus.redis.set(s.batches_released("A"), 1)  # the buffer released the batch
     await bus.redis.hset(s.buffer_verdicts("A"), mapping={"g1": "kept", "g2": "kept"})
-    bad = Batch(agent="A", step=1, samples=[sample("g1", 1.0), sample("g1", 0.0), sample("g2", 1.0),
+    bad = Batch(agent="A", weight_version=1, samples=[sample("g1", 1.0), sample("g1", 0.0), sample("g2", 1.0),
                                             sample("g2", 0.0, nan=True)])
     ids = [x.id for x in bad.samples]
     with pytest.raises(Reject, match=f"rejected samples: {', '.join(ids)}"):
         await trainer.on_batch(bad)
-    assert trainer.version == 0 and policy.version == 0 and trainer.nonfinite_in_row == 1
+    assert trainer.weight_version == 0 and policy.weight_version == 0 and trainer.nonfinite_in_row == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(policy), strict=True))
     assert await entries(bus, s.weights("A"), WeightsUpdate) == []
-    assert await bus.redis.get(s.published_version("A")) is None
+    assert await bus.redis.get(s.published_weight_version("A")) is None
     assert int(await bus.redis.get(s.batches_released("A"))) == 0  # the buffer releases a batch in its place
     assert await bus.redis.hgetall(s.buffer_verdicts("A")) == {b"g1": b"dropped:non-finite training step",
                                                                 b"g2": b"dropped:non-finite training step"}
@@ -105,9 +105,9 @@ async def test_the_trainer_skips_reports_and_stops_after_the_limit(redis_url: st
     assert trainer.nonfinite_in_row == 1 and int(await bus.redis.get(s.batches_released("A"))) == 0
     assert int(await bus.redis.get(s.nonfinite_in_row("A"))) == 1
 
-    good = Batch(agent="A", step=1, samples=[sample("g3", 1.0), sample("g3", 0.0)])
+    good = Batch(agent="A", weight_version=1, samples=[sample("g3", 1.0), sample("g3", 0.0)])
     await trainer.on_batch(good)  # trains from the restored weights; the count of skips in a row resets
-    assert trainer.version == 1 and trainer.nonfinite_in_row == 0
+    assert trainer.weight_version == 1 and trainer.nonfinite_in_row == 0
     assert int(await bus.redis.get(s.nonfinite_in_row("A"))) == 0
     (pub,) = await entries(bus, s.weights("A"), WeightsUpdate)
     tensors = await asyncio.to_thread(load_file, str(Path(pub.path) / "model.safetensors"))
@@ -115,12 +115,12 @@ async def test_the_trainer_skips_reports_and_stops_after_the_limit(redis_url: st
 
     for n in (1, 2):
         with pytest.raises(Reject):
-            await trainer.on_batch(Batch(agent="A", step=2, samples=[sample(f"h{n}", 1.0),
+            await trainer.on_batch(Batch(agent="A", weight_version=2, samples=[sample(f"h{n}", 1.0),
                                                                      sample(f"h{n}", 0.0, nan=True)]))
     assert trainer.nonfinite_in_row == 2 and trainer.stop.is_set()
     assert trainer.failed is not None and "2 training steps in a row" in trainer.failed
     assert "max_nonfinite_steps = 2" in trainer.failed
-    assert [w.version for w in await entries(bus, s.weights("A"), WeightsUpdate)] == [1]
+    assert [w.weight_version for w in await entries(bus, s.weights("A"), WeightsUpdate)] == [1]
     restarted = TrainerService(cfg, "A", bus, policy)  # a restart keeps the count: it refuses to go on
     with pytest.raises(RuntimeError, match="stopped after 2 non-finite training steps in a row"):
         await restarted.resume()
@@ -136,7 +136,7 @@ async def test_the_coordinator_replaces_the_groups_of_a_skipped_step(redis_url: 
     agent.in_flight_groups = 1
     agent.resolve_group("g1", "kept")
     assert agent.kept_groups == 1 and agent.claimed == 1
-    ev = TrainStepSkipped(source="trainer-A", agent="A", batch_id="b", batch_step=1, reason="non-finite loss",
+    ev = TrainStepSkipped(source="trainer-A", agent="A", batch_id="b", batch_weight_version=1, reason="non-finite loss",
                           sample_ids=["s1", "s2"], group_ids=["g1"], consecutive=1)
     for _ in range(2):  # a re-sent event counts once
         await coord.on_event(ev)

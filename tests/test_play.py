@@ -104,9 +104,9 @@ def test_an_agent_on_an_in_process_engine_yields_aligned_samples(tiny_model_dir:
     first, second = asyncio.run(go())
     assert first.transcript == second.transcript  # seeded: the same game twice
     samples = first.samples({"A": 2})
-    assert len(samples) == 1 and samples[0].agent == "A" and samples[0].role == "X" and samples[0].group_size == 2
+    assert len(samples) == 1 and samples[0].agent == "A" and samples[0].role == "X" and samples[0].group_samples == 2
     s = samples[0]
-    assert len(s.tokens) == len(s.loss_mask) == len(s.rollout_logprobs) and set(s.turn_weight_versions) == {3}
+    assert len(s.tokens) == len(s.loss_mask) == len(s.rollout_logprobs) and set(s.weight_versions) == {3}
     assert first.record()["roles"] == {"X": "A", "O": "scripted:random"}
     assert first.samples({"B": 2}) == []  # only the agents asked for
 

@@ -92,7 +92,7 @@ def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path)
     from services.contracts.messages import WeightsLoaded
 
     for v in (1, 2, 3):
-        asyncio.run(coord.on_event(WeightsLoaded(source="rollout", agent="A", version=v, path=f"/ckpt/v{v}",
+        asyncio.run(coord.on_event(WeightsLoaded(source="rollout", agent="A", weight_version=v, path=f"/ckpt/v{v}",
                                                  engines=[])))
     drawn = {coord.resolve_pool({"X": a, "O": pool})["O"] for _ in range(50)}
     # the last pool_size versions, each knowing its owner from its type
@@ -114,10 +114,10 @@ def test_self_play_episode_with_in_process_weights(tiny_model_dir: Path) -> None
     sampling = {player: SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)}
     result = asyncio.run(play_episode(TicTacToe({}, 1), "e1", "g1", {"X": player, "O": player}, {player: tok},
                                       sampling, local.generate, "eval", random.Random(1)))
-    assert set(result.views) == {"X", "O"} and any(result.views["X"].mask)
+    assert set(result.views) == {"X", "O"} and any(result.views["X"].loss_mask)
     for view in result.views.values():  # O has no turn if X's first move was illegal (a random model)
-        assert len(view.tokens) == len(view.mask) == len(view.logprobs)
-        assert all((lp <= 0) if m else lp == 0 for lp, m in zip(view.logprobs, view.mask, strict=True))
+        assert len(view.tokens) == len(view.loss_mask) == len(view.rollout_logprobs)
+        assert all((lp <= 0) if m else lp == 0 for lp, m in zip(view.rollout_logprobs, view.loss_mask, strict=True))
     assert result.samples({}) == [] and result.samples({"A": 1}) == []  # in-process weights are never trained on
     again = asyncio.run(play_episode(TicTacToe({}, 1), "e2", "g1", {"X": player, "O": player}, {player: tok},
                                      sampling, local.generate, "eval", random.Random(1)))

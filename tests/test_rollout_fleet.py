@@ -197,7 +197,7 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
             if all(int(g.get("lag") or 0) == 0 and int(g.get("pending") or 0) == 0 for g in groups):
                 break
             await asyncio.sleep(0.1)
-        assert [e.version for e in await _events(bus, "weights_loaded")] == [1, 3]
+        assert [e.weight_version for e in await _events(bus, "weights_loaded")] == [1, 3]
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"{victim['url']}/get_model_info")).json()["weight_version"] == "3"
     finally:

@@ -66,33 +66,34 @@ async def test_trainer_handlers_train_commit_announce_once(redis_url: str, tiny_
     assert isinstance(policy, Policy) and not policy.follower
     trainer = TrainerService(cfg, "A", bus, policy)
     await trainer.resume()
-    assert trainer.version == 0 and (trainer.state_root / "v00000").is_dir()
+    assert trainer.weight_version == 0 and (trainer.state_root / "v00000").is_dir()
 
-    batch = Batch(agent="A", step=1, samples=[sample("g", 1.0), sample("g", 0.0)])
+    batch = Batch(agent="A", weight_version=1, samples=[sample("g", 1.0), sample("g", 0.0)])
     await trainer.on_batch(batch)
-    assert trainer.version == 1 and policy.version == 1
-    assert int(await bus.redis.get(s.published_version("A"))) == 1
+    assert trainer.weight_version == 1 and policy.weight_version == 1
+    assert int(await bus.redis.get(s.published_weight_version("A"))) == 1
     assert await bus.redis.smismember(s.trained_samples("A"), [x.id for x in batch.samples]) == [1, 1]
     log = [json.loads(r) for r in await bus.redis.lrange(s.train_log("A"), 0, -1)]
     assert [r["batch_id"] for r in log] == [batch.id]
     (weights,) = await entries(bus, s.weights("A"), WeightsUpdate)
-    assert weights.version == 1 and await asyncio.to_thread(Path(weights.path, "model.safetensors").is_file)
+    assert weights.weight_version == 1 and await asyncio.to_thread(Path(weights.path, "model.safetensors").is_file)
     steps = [e for e in await entries(bus, s.events, Event) if e.kind == "train_step"]
-    assert [e.version for e in steps] == [1] and steps[0].batch_step == 1 and steps[0].metrics["samples"] == 2
+    assert [e.weight_version for e in steps] == [1] and steps[0].batch_weight_version == 1
+    assert steps[0].metrics["samples"] == 2
 
     await trainer.on_batch(batch)  # a redelivery: not trained again, the version is announced again
-    assert trainer.version == 1 and await bus.redis.llen(s.train_log("A")) == 1
-    assert [w.version for w in await entries(bus, s.weights("A"), WeightsUpdate)] == [1, 1]
+    assert trainer.weight_version == 1 and await bus.redis.llen(s.train_log("A")) == 1
+    assert [w.weight_version for w in await entries(bus, s.weights("A"), WeightsUpdate)] == [1, 1]
 
     with pytest.raises(Reject, match="samples of \\['B'\\]"):
-        await trainer.on_batch(Batch(agent="A", step=2, samples=[sample("h", 1.0, agent="B")]))
+        await trainer.on_batch(Batch(agent="A", weight_version=2, samples=[sample("h", 1.0, agent="B")]))
     shutil.rmtree(trainer.state_dir(1))
     await trainer.on_control(Control(command="checkpoint"))  # re-writes the current version's state
     assert trainer.state_dir(1).is_dir()
 
     again = TrainerService(cfg, "A", bus, await asyncio.to_thread(make_policy, cfg.agents["A"], 1.0))
     await again.resume()  # a restart resumes at the published version
-    assert again.version == 1 and again.policy.version == 1
+    assert again.weight_version == 1 and again.policy.weight_version == 1
     shutil.rmtree(again.state_dir(1))
     with pytest.raises(RuntimeError, match="version 1 is published but its training state"):
         await again.resume()
@@ -112,12 +113,12 @@ async def test_buffer_handler_reports_the_verdict_and_releases_the_batch(redis_u
     with pytest.raises(Reject, match="sample of agent 'B' reached the buffer of 'A'"):
         await buffer.on_sample(sample("g3", 1.0, agent="B"))
     (batch,) = await entries(bus, bus.streams.batches("A"), Batch)
-    assert batch.step == 1 and {x.group_id for x in batch.samples} == {"g1"}
+    assert batch.weight_version == 1 and {x.group_id for x in batch.samples} == {"g1"}
     events = [e.model_dump(exclude={"id", "created_at", "schema_version"})
               for e in await entries(bus, bus.streams.events, Event)]
     assert events == [{"kind": "group_done", "source": "buffer-A", "agent": "A", "group_id": "g1", "outcome": "kept",
                        "reason": None, "was_kept": False},
-                      {"kind": "batch_released", "source": "buffer-A", "agent": "A", "step": 1, "samples": 2},
+                      {"kind": "batch_released", "source": "buffer-A", "agent": "A", "weight_version": 1, "samples": 2},
                       {"kind": "group_done", "source": "buffer-A", "agent": "A", "group_id": "g2",
                        "outcome": "dropped", "reason": "zero reward variance", "was_kept": False}]
     await bus.close()
@@ -178,12 +179,12 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         await commit_weights(bus, "A", 1, tiny_model_dir)
         v2 = await commit_weights(bus, "A", 2, tiny_model_dir)
         await rollout.on_weights(v2)
-        assert int(await bus.redis.get(s.loaded_version("A"))) == 2
+        assert int(await bus.redis.get(s.loaded_weight_version("A"))) == 2
         assert WeightsUpdate.model_validate_json(await bus.redis.get(s.loaded_weights("A"))) == v2
-        await rollout.on_weights(v2.model_copy(update={"version": 1}))  # an old update never rolls back
-        assert int(await bus.redis.get(s.loaded_version("A"))) == 2
+        await rollout.on_weights(v2.model_copy(update={"weight_version": 1}))  # an old update never rolls back
+        assert int(await bus.redis.get(s.loaded_weight_version("A"))) == 2
         loaded = [e for e in await entries(bus, s.events, Event) if e.kind == "weights_loaded"]
-        assert [(e.version, e.engines, e.path) for e in loaded] == [(2, [engine_url], str(tiny_model_dir))]
+        assert [(e.weight_version, e.engines, e.path) for e in loaded] == [(2, [engine_url], str(tiny_model_dir))]
         await rollout.on_turn(req.model_copy(update={"id": "second"}))
         assert (await entries(bus, s.replies("test"), GenerateReply))[-1].weight_version == 2
 
@@ -212,26 +213,26 @@ async def test_rollout_loads_only_authentic_weights(redis_url: str, tiny_model_d
         before = (await http.get(f"{engine_url}/get_model_info")).json()["weight_version"]  # the engine's, as is
     try:
         good = await commit_weights(bus, "A", 1, v1)
-        start = {"version": 999, "path": str(tiny_model_dir)}  # the forged update of issue 12: the start model
+        start = {"weight_version": 999, "path": str(tiny_model_dir)}  # the forged update of issue 12: the start model
         forged = {"not signed": good.model_copy(update={**start, "signature": ""}),
                   "bad signature": good.model_copy(update=start),
                   "version 2 is not one the trainer of 'A' committed": WeightsUpdate(  # signed, never committed
-                      agent="A", version=2, path=good.path, checksum=good.checksum,
+                      agent="A", weight_version=2, path=good.path, checksum=good.checksum,
                       signature=sign(await run_secret(bus.redis, s), "A", 2, good.path, good.checksum))}
         for reason, w in forged.items():
-            with pytest.raises(Reject, match=f"weights version {w.version} at .* refused: {reason}"):
+            with pytest.raises(Reject, match=f"weights version {w.weight_version} at .* refused: {reason}"):
                 await rollout.on_weights(w)
         cfg_file = v1 / "config.json"
         original = cfg_file.read_bytes()
         cfg_file.write_bytes(original + b" ")  # corrupt after the commit
         with pytest.raises(Reject, match="do not match the checksum"):
             await rollout.on_weights(good)
-        assert await bus.redis.get(s.loaded_version("A")) is None
+        assert await bus.redis.get(s.loaded_weight_version("A")) is None
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"{engine_url}/get_model_info")).json()["weight_version"] == before != "1"
         cfg_file.write_bytes(original)
         await rollout.on_weights(good)
-        assert int(await bus.redis.get(s.loaded_version("A"))) == 1
+        assert int(await bus.redis.get(s.loaded_weight_version("A"))) == 1
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"{engine_url}/get_model_info")).json()["weight_version"] == "1"
     finally:

@@ -22,11 +22,11 @@ async def test_train_step_metrics_are_served_once_per_version(redis_url: str, ti
     step = {"loss": 0.5, "pg_loss": 0.4, "kl": 0.01, "kl_loss": 0.1, "entropy": 2.0, "entropy_loss": -0.0,
             "clip_frac": 0.1, "grad_norm": 0.7, "tis_ratio_mean": 1.1, "tis_ratio_max": 2.5, "tokens_per_s": 900.0}
     for version in (1, 1, 2):  # version 1 re-announced after a trainer restart
-        await coord.on_event(TrainStep(source="trainer-A", agent="A", version=version, batch_step=version,
-                                       metrics=step))
+        await coord.on_event(TrainStep(source="trainer-A", agent="A", weight_version=version,
+                                       batch_weight_version=version, metrics=step))
     transport = httpx.ASGITransport(app=create_app(coord))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         got = (await client.get("/v1/metrics", params={"agent": "A"})).json()["A"]["train_steps"]
-    assert [s["version"] for s in got] == [1, 2]
+    assert [s["weight_version"] for s in got] == [1, 2]
     assert {k: got[0][k] for k in step} == step
     await bus.close()

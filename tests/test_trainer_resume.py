@@ -64,7 +64,7 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
     }))
     r = redis.Redis.from_url(redis_url)
     s = Streams(run)
-    published = lambda: int(r.get(s.published_version("A")) or 0)  # noqa: E731
+    published = lambda: int(r.get(s.published_weight_version("A")) or 0)  # noqa: E731
     procs: list[subprocess.Popen] = []
 
     def start(service: str, failpoint: str | None = None) -> subprocess.Popen:
@@ -119,7 +119,7 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
 
     # per-step metrics on the events stream (what the coordinator serves at /v1/metrics)
     events = [decode(f[FIELD], Event) for _, f in r.xrange(s.events)]
-    steps = {e.version: e.metrics for e in events if e.kind == "train_step" and e.agent == "A"}
+    steps = {e.weight_version: e.metrics for e in events if e.kind == "train_step" and e.agent == "A"}
     assert sorted(steps) == list(range(1, STEPS + 1))
     for key in ("loss", "pg_loss", "entropy", "clip_frac", "grad_norm", "lr", "tokens_per_s", "stale_frac"):
         assert all(isinstance(m[key], float) for m in steps.values()), key
@@ -127,7 +127,7 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
 
     # an uninterrupted in-process run over the same batches ends at the same weights
     batches = [decode(f[FIELD], Batch) for _, f in r.xrange(s.batches("A"))]
-    assert [b.step for b in batches] == list(range(1, STEPS + 1))
+    assert [b.weight_version for b in batches] == list(range(1, STEPS + 1))
     acfg = load_config(cfg_path).agents["A"]
     reference = make_policy(acfg, 1.0)
     for b in batches:

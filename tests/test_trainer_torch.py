@@ -55,7 +55,7 @@ def test_one_step_raises_the_better_answer(tiny_model_dir: Path, name: str) -> N
     after = seq_logp(policy, good) - seq_logp(policy, bad)
     assert after > before + 1e-3, (name, before, after, metrics)
     assert metrics["algorithm"] == name and metrics["grad_norm"] > 0 and metrics["tokens_per_s"] > 0
-    assert "entropy" in metrics and "loss" in metrics and policy.version == 1
+    assert "entropy" in metrics and "loss" in metrics and policy.weight_version == 1
 
 
 def test_sft_raises_the_logprob_of_rewarded_samples_only(tiny_model_dir: Path) -> None:
@@ -80,20 +80,20 @@ def test_kl_and_entropy_terms_are_reported_and_pull_the_intended_way(tiny_model_
 
 def test_stale_samples_get_tis_statistics(tiny_model_dir: Path) -> None:
     policy = make(tiny_model_dir, name="grpo", tis_cap=2.0)
-    policy.version = 3
+    policy.weight_version = 3
     good, bad = sample(GOOD, 1.0, "g", version=2, logp=-9.0), sample(BAD, 0.0, "g", version=3, logp=-9.0)
     metrics = policy.train_step([good, bad])
     assert metrics["stale_frac"] == 0.5
     assert metrics["tis_ratio_min"] > 1.0  # rollout logprob -9 is far below the policy's own, so weights are large
     assert metrics["tis_clip_frac"] > 0
-    assert policy.version == 4
+    assert policy.weight_version == 4
 
 
 def test_state_round_trip_restores_weights_optimizer_and_scheduler(tiny_model_dir: Path, tmp_path: Path) -> None:
     policy = make(tiny_model_dir, name="grpo", lr_scheduler="linear", warmup_steps=1, decay_steps=4)
     batch = with_rollout_logprobs(policy, [sample(GOOD, 1.0, "g"), sample(BAD, 0.0, "g")])
     policy.train_step(batch)
-    policy.save_state(tmp_path / "v00001", policy.version)
+    policy.save_state(tmp_path / "v00001", policy.weight_version)
     expected = policy.train_step(batch)
     weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
     other = make(tiny_model_dir, name="grpo", lr_scheduler="linear", warmup_steps=1, decay_steps=4)

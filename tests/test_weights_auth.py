@@ -23,9 +23,9 @@ from services.training.backends import make_policy
 
 
 def sample(group: str, reward: float) -> Sample:
-    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_size=2, tokens=[5, 6, 7, 40, 41],
+    return Sample(agent="A", role="X", episode_id="e", group_id=group, group_samples=2, tokens=[5, 6, 7, 40, 41],
                   loss_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, 0.0, -3.0, -3.0], reward=reward,
-                  turn_weight_versions=[0])
+                  weight_versions=[0])
 
 
 def corrupt(directory: Path) -> None:
@@ -72,7 +72,7 @@ async def test_the_trainer_signs_what_it_publishes_and_only_that_passes(redis_ur
     s = bus.streams
     trainer = TrainerService(cfg, "A", bus, await asyncio.to_thread(make_policy, cfg.agents["A"], 1.0))
     await trainer.resume()
-    await trainer.on_batch(Batch(agent="A", step=1, samples=[sample("g", 1.0), sample("g", 0.0)]))
+    await trainer.on_batch(Batch(agent="A", weight_version=1, samples=[sample("g", 1.0), sample("g", 0.0)]))
     (w,) = [decode(f[FIELD], WeightsUpdate) for _, f in await bus.redis.xrange(s.weights("A"))]
     secret = await run_secret(bus.redis, s)
     assert w.checksum == weights_checksum(w.path)
@@ -81,7 +81,7 @@ async def test_the_trainer_signs_what_it_publishes_and_only_that_passes(redis_ur
 
     forged = "bad signature (not signed with this run's secret)"
     assert await refusal(bus.redis, s, b"another run's secret", w) == forged
-    replay = w.model_copy(update={"version": 999, "path": str(tiny_model_dir),
+    replay = w.model_copy(update={"weight_version": 999, "path": str(tiny_model_dir),
                                   "checksum": weights_checksum(tiny_model_dir)})
     assert await refusal(bus.redis, s, secret, replay) == forged
     resigned = replay.model_copy(update={"signature": sign(secret, "A", 999, replay.path, replay.checksum)})
@@ -113,7 +113,7 @@ async def test_a_forged_update_on_the_stream_is_dead_lettered_with_its_reason(re
     bus = Bus(redis_url, "wa", "rollout-A")
     s = bus.streams
     rollout = RolloutService(cfg, "A", bus, "http://127.0.0.1:9")  # refused before any engine is asked
-    forged = WeightsUpdate(agent="A", version=999, path=str(tiny_model_dir),
+    forged = WeightsUpdate(agent="A", weight_version=999, path=str(tiny_model_dir),
                            checksum=await asyncio.to_thread(weights_checksum, tiny_model_dir), signature="0" * 64)
     await bus.publish(s.weights("A"), forged)
     stop = asyncio.Event()
@@ -129,7 +129,7 @@ async def test_a_forged_update_on_the_stream_is_dead_lettered_with_its_reason(re
     (letter,) = letters
     assert letter.source_stream == s.weights("A")
     assert letter.reason.endswith("refused: bad signature (not signed with this run's secret)")
-    assert await bus.redis.get(s.loaded_version("A")) is None
+    assert await bus.redis.get(s.loaded_weight_version("A")) is None
     (group,) = await bus.redis.xinfo_groups(s.weights("A"))
     assert int(group["pending"]) == 0
     await rollout.close()

@@ -31,9 +31,9 @@ from services.contracts.messages import (
 from services.rollout.engine_client import EngineClient
 from services.rollout.service import RolloutService
 
-GOOD: dict[str, Any] = {"agent": "A", "role": "X", "episode_id": "e", "group_id": "g", "group_size": 2,
+GOOD: dict[str, Any] = {"agent": "A", "role": "X", "episode_id": "e", "group_id": "g", "group_samples": 2,
                         "tokens": [5, 6, 40], "loss_mask": [0, 1, 1], "rollout_logprobs": [0.0, -1.0, -0.5],
-                        "reward": 1.0, "turn_weight_versions": [0]}
+                        "reward": 1.0, "weight_versions": [0]}
 
 
 def config(tmp_path: Path, model: Path) -> TandemConfig:
@@ -53,7 +53,7 @@ def test_sample_and_reply_logprobs_must_be_finite_and_at_most_zero(bad: float) -
 
 def test_token_ids_are_non_negative_and_wire_types_strict() -> None:
     for field, value in (("tokens", [5, -5, 40]), ("tokens", [5, True, 40]), ("reward", "1.0"),
-                         ("group_size", 2.0), ("turn_weight_versions", ["0"])):
+                         ("group_samples", 2.0), ("weight_versions", ["0"])):
         with pytest.raises(ValidationError, match=field):
             Sample(**{**GOOD, field: value})
     with pytest.raises(ValidationError, match="input_ids"):

@@ -18,8 +18,8 @@ async def commit_weights(bus: Bus, agent: str, version: int, path: Path | str) -
     checksum = await asyncio.to_thread(weights_checksum, p)
     rec = {"version": version, "batch_id": f"b{version}", "sample_ids": [], "path": p, "checksum": checksum}
     await bus.redis.rpush(s.train_log(agent), json.dumps(rec))
-    published = int(await bus.redis.get(s.published_version(agent)) or 0)
-    await bus.redis.set(s.published_version(agent), max(published, version))
+    published = int(await bus.redis.get(s.published_weight_version(agent)) or 0)
+    await bus.redis.set(s.published_weight_version(agent), max(published, version))
     secret = await run_secret(bus.redis, s)
-    return WeightsUpdate(agent=agent, version=version, path=p, checksum=checksum,
+    return WeightsUpdate(agent=agent, weight_version=version, path=p, checksum=checksum,
                          signature=sign(secret, agent, version, p, checksum))

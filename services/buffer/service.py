@@ -61,9 +61,9 @@ class BufferService:
         for v in dropped:
             await self.report(v)
         for b in batches:
-            self.log.info("released batch for step %d: %d samples", b.step, len(b.samples))
+            self.log.info("released batch for version %d: %d samples", b.weight_version, len(b.samples))
             await self.bus.publish(self.bus.streams.events, BatchReleased(
-                source=self.bus.service, agent=self.agent, step=b.step, samples=len(b.samples)))
+                source=self.bus.service, agent=self.agent, weight_version=b.weight_version, samples=len(b.samples)))
 
     async def report(self, v: GroupVerdict) -> None:
         await self.bus.publish(self.bus.streams.events, GroupDone(

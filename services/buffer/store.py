@@ -4,7 +4,8 @@ One buffer process per agent (its consumer group reads with concurrency 1).
 
 A sample is durable (HSET) before its stream entry is acknowledged, and
 storing it twice is a no-op, so redelivery never duplicates. A group is
-complete when ``group_size`` samples of it are stored; it is then kept
+complete when ``Sample.group_samples`` samples of it are stored (the agent's share of the group,
+not ``environment.group_size``, its episodes); it is then kept
 (pushed on the ready queue) or dropped (zero-variance filter). A batch takes
 the ``groups_per_batch`` oldest ready groups, drops any that are staler than
 ``max_staleness`` for the step it trains towards, and is written to
@@ -113,14 +114,14 @@ class SampleStore:
             pipe.sadd(self.k_group(sample.group_id), sample.id)
             pipe.scard(self.k_group(sample.group_id))
             _, _, size = await pipe.execute()
-        if size < sample.group_size:
+        if size < sample.group_samples:
             return None
-        samples = await self.group_samples(sample.group_id)
+        samples = await self.stored_samples(sample.group_id)
         if self.filter_zero_variance and len({s.reward for s in samples}) == 1:
             return await self.decide(sample.group_id, "dropped", "zero reward variance", samples)
         return await self.decide(sample.group_id, "kept")
 
-    async def group_samples(self, group_id: str) -> list[Sample]:
+    async def stored_samples(self, group_id: str) -> list[Sample]:
         ids = sorted(await self.bus.redis.smembers(self.k_group(group_id)))
         raws = await self.bus.redis.hmget(self.k_samples, ids) if ids else []
         return [decode(raw, Sample) for raw in raws if raw is not None]
@@ -151,7 +152,7 @@ class SampleStore:
             for gid in overdue:
                 reason = (f"dead-lettered sample: {letters[gid]}" if gid in letters
                           else f"timeout: incomplete {timeout_s:g}s after emission")
-                verdict = await self.decide(gid, "abandoned", reason, await self.group_samples(gid))
+                verdict = await self.decide(gid, "abandoned", reason, await self.stored_samples(gid))
                 if verdict.outcome == "abandoned" and verdict.reason == reason:
                     out.append(verdict)
         return out
@@ -163,7 +164,7 @@ class SampleStore:
         async with self.lock:
             if await self.bus.redis.zscore(self.k_pending, group_id) is None:
                 return None
-            verdict = await self.decide(group_id, "abandoned", reason, await self.group_samples(group_id))
+            verdict = await self.decide(group_id, "abandoned", reason, await self.stored_samples(group_id))
         return verdict if verdict.outcome == "abandoned" and verdict.reason == reason else None
 
     async def samples_waiting(self) -> bool:
@@ -205,18 +206,18 @@ class SampleStore:
             released = int(await r.get(self.k_released) or 0)
             if self.max_batches is not None and released >= self.max_batches:
                 break  # the run's last step is trained; later samples stay stored, unused
-            step = released + 1
+            version = released + 1  # the weight version the batch trains into
             group_ids = [g.decode() for g in await r.lrange(self.k_ready, 0, self.gpb - 1)]
-            groups = {g: await self.group_samples(g) for g in group_ids}
+            groups = {g: await self.stored_samples(g) for g in group_ids}
             stale = [g for g, ss in groups.items()
-                     if not ss or (step - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
+                     if not ss or (version - 1) - min(s.min_weight_version for s in ss) > self.max_staleness]
             if stale:
                 for g in stale:
                     await self.drop(g, groups[g], "stale")
                     dropped.append(GroupVerdict(g, "dropped", "stale", was_kept=True))
                 continue
             samples = [s for g in group_ids for s in groups[g]]
-            batch = Batch(agent=self.agent, step=step, samples=samples)
+            batch = Batch(agent=self.agent, weight_version=version, samples=samples)
             async with r.pipeline(transaction=True) as pipe:
                 pipe.xadd(self.bus.streams.batches(self.agent), {FIELD: encode(batch)})
                 pipe.ltrim(self.k_ready, self.gpb, -1)

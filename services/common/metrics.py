@@ -81,7 +81,7 @@ def event_values(kind: str, data: Mapping[str, Any]) -> dict[str, float]:
     """The numbers the series take from one event's data (``train_step`` and ``rollout_load``).
 
     The run state keeps these events' data (``AgentState.train_steps``, ``AgentState.rollout``)."""
-    keys = {"train_step": ("train_seconds", "tokens_per_s", "reward_mean", "stale_frac", "version"),
+    keys = {"train_step": ("train_seconds", "tokens_per_s", "reward_mean", "stale_frac", "weight_version"),
             "rollout_load": ("queue_depth", "inflight", "capacity", "waiting")}.get(kind, ())
     out = {}
     for k in keys:
@@ -102,7 +102,7 @@ class AgentView(Protocol):
     name: str
     groups_per_batch: int
     max_staleness: int
-    loaded_version: int
+    loaded_weight_version: int
     kept_groups: int
     dropped_groups: int
     in_flight_groups: int
@@ -140,7 +140,7 @@ def staleness(a: AgentView) -> int:
     """How many versions ahead of the loaded weights the newest launched group will train
     (0 .. max_staleness: the launch gate keeps it there)."""
     claimed = a.kept_groups + a.in_flight_groups
-    return max(0, (claimed - 1) // max(a.groups_per_batch, 1) - a.loaded_version) if claimed else 0
+    return max(0, (claimed - 1) // max(a.groups_per_batch, 1) - a.loaded_weight_version) if claimed else 0
 
 
 class RunMetrics(Collector):
@@ -234,7 +234,7 @@ class RunMetrics(Collector):
             last = event_values("train_step", a.train_steps[-1]) if a.train_steps else {}
             load = event_values("rollout_load", a.rollout)
             recent = [r for _, r in a.group_rewards[-RECENT_GROUPS:]]
-            values = {"weight_version": a.loaded_version, "queue_depth": load.get("queue_depth"),
+            values = {"weight_version": a.loaded_weight_version, "queue_depth": load.get("queue_depth"),
                       "inflight_turns": load.get("inflight"), "inflight_capacity": load.get("capacity"),
                       "inflight_groups": a.in_flight_groups, "staleness": staleness(a),
                       "max_staleness": a.max_staleness, "gate_blocked": float(a.blocked_by_staleness()),

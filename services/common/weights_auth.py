@@ -60,7 +60,7 @@ async def run_secret(redis: Any, streams: Streams) -> bytes:
 
 async def committed(redis: Any, streams: Streams, agent: str, version: int) -> dict[str, Any] | None:
     """The trainer's train-log record of ``version`` (one record per version, appended in order), if committed."""
-    published = await redis.get(streams.published_version(agent))
+    published = await redis.get(streams.published_weight_version(agent))
     if published is None or version > int(published):
         return None
     raw = await redis.lindex(streams.train_log(agent), version - 1)
@@ -78,13 +78,13 @@ async def refusal(redis: Any, streams: Streams, secret: bytes, w: WeightsUpdate)
     """Why the update must not be loaded (forged, uncommitted, corrupt), or None when it is authentic."""
     if not w.signature:
         return "not signed"
-    if not hmac.compare_digest(w.signature, sign(secret, w.agent, w.version, w.path, w.checksum)):
+    if not hmac.compare_digest(w.signature, sign(secret, w.agent, w.weight_version, w.path, w.checksum)):
         return "bad signature (not signed with this run's secret)"
-    rec = await committed(redis, streams, w.agent, w.version)
+    rec = await committed(redis, streams, w.agent, w.weight_version)
     if rec is None:
-        return f"version {w.version} is not one the trainer of {w.agent!r} committed"
+        return f"version {w.weight_version} is not one the trainer of {w.agent!r} committed"
     if rec.get("path") != w.path or rec.get("checksum") != w.checksum:
-        return f"version {w.version} differs from the trainer's commit (path or checksum)"
+        return f"version {w.weight_version} differs from the trainer's commit (path or checksum)"
     try:
         on_disk = await asyncio.to_thread(weights_checksum, w.path)
     except OSError as exc:

@@ -180,7 +180,8 @@ class EvalConfig(Strict):
 class EnvironmentConfig(Strict):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
-    group_size: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=1, description="episodes per group (a sample's Sample.group_samples is its "
+                            "agent's share: its samples in the whole group)")
     roles: dict[str, Player] = Field(description="environment role -> player: an agent name, "
                                      "'scripted:<player>' (the env's scripted player) or 'pool:<agent>' "
                                      "(a past weight version of that agent, played in the coordinator)")

@@ -12,6 +12,11 @@ check that (``services.common.tokens``).
 Schema 2: events are a discriminated union on ``kind`` (one model per kind, typed fields in place
 of a ``data`` dict); the never-sent event kinds ``health`` and ``error`` and the never-sent
 control command ``eval`` are gone.
+
+Schema 3: one name per concept (docs/architecture.md §3). A weight version is ``weight_version``
+everywhere (``Batch.step``, ``WeightsUpdate.version`` and the events' ``version``/``step``/``batch_step``
+renamed), a sample's per-turn versions are ``Sample.weight_versions``; ``Sample.group_samples`` (was
+``group_size``) is the agent's share of its group, not ``environment.group_size`` (the group's episodes).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -38,7 +43,7 @@ def new_id() -> str:
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     id: str = Field(default_factory=new_id, min_length=1)
     created_at: float = Field(default_factory=time.time)
 
@@ -71,6 +76,7 @@ class GenerateRequest(Message):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+"""Why a generation ended: the one definition (SGLang's ``finish_reason.type``; ``sglang_api.FinishInfo``)."""
 
 
 class GenerateReply(Message):
@@ -107,13 +113,14 @@ class Sample(Message):
     role: str
     episode_id: str
     group_id: str
-    group_size: int = Field(ge=1)
+    group_samples: int = Field(ge=1, description="how many samples the agent has in this group (its share of the "
+                               "group; environment.group_size counts the group's episodes)")
     tokens: list[TokenId] = Field(min_length=1)
     loss_mask: list[int]
     rollout_logprobs: list[Logprob]
     reward: FiniteFloat
     reward_terms: dict[str, FiniteFloat] = Field(default_factory=dict)
-    turn_weight_versions: list[int] = Field(min_length=1)
+    weight_versions: list[int] = Field(min_length=1, description="per generated turn, the weight version")
     engines: list[str] = Field(default_factory=list)
     reply_ids: list[str] = Field(default_factory=list)
 
@@ -133,24 +140,25 @@ class Sample(Message):
 
     @property
     def min_weight_version(self) -> int:
-        return min(self.turn_weight_versions)
+        return min(self.weight_versions)
 
 
 class Batch(Message):
     """batches:{agent} — the samples of ``groups`` complete GRPO groups."""
 
     agent: str
-    step: int = Field(ge=1, description="the weight version this batch trains towards")
+    weight_version: int = Field(ge=1, description="the weight version this batch trains into (the version the "
+                                "step on it makes)")
     samples: list[Sample] = Field(min_length=1)
 
 
 class WeightsUpdate(Message):
     """weights:{agent} — a new HF-format weight directory is ready. ``checksum``: SHA-256 over the directory's
-    files; ``signature``: HMAC-SHA256 of (agent, version, path, checksum) with the run's secret (the rollout
+    files; ``signature``: HMAC-SHA256 of (agent, weight_version, path, checksum) with the run's secret (the rollout
     refuses an update without a valid one: services.common.weights_auth)."""
 
     agent: str
-    version: int = Field(ge=1)
+    weight_version: int = Field(ge=1)
     path: str
     checksum: str
     signature: str = ""
@@ -164,21 +172,21 @@ class EventBase(Message):
 
 
 class WeightsLoaded(EventBase):
-    """rollout → the agent's engines now serve ``version`` (loaded from ``path``)."""
+    """rollout → the agent's engines now serve ``weight_version`` (loaded from ``path``)."""
 
     kind: Literal["weights_loaded"] = "weights_loaded"
-    version: int = Field(ge=0)
+    weight_version: int = Field(ge=0)
     path: str
     engines: list[str]
 
 
 class TrainStep(EventBase):
-    """trainer → version ``version`` is committed; ``metrics`` are the step's (flat: loss terms, kl, entropy,
+    """trainer → version ``weight_version`` is committed; ``metrics`` are the step's (flat: loss terms, kl, entropy,
     clip_frac, grad_norm, lr, tokens_per_s, TIS statistics, algorithm, backend ...)."""
 
     kind: Literal["train_step"] = "train_step"
-    version: int = Field(ge=1)
-    batch_step: int = Field(ge=1, description="the step of the batch it trained on")
+    weight_version: int = Field(ge=1)
+    batch_weight_version: int = Field(ge=1, description="the weight_version of the batch it trained on")
     metrics: dict[str, float | int | str | None]
 
 
@@ -189,7 +197,7 @@ class TrainStepSkipped(EventBase):
 
     kind: Literal["train_step_skipped"] = "train_step_skipped"
     batch_id: str
-    batch_step: int = Field(ge=1)
+    batch_weight_version: int = Field(ge=1)
     reason: str
     sample_ids: list[str]
     group_ids: list[str]
@@ -211,10 +219,10 @@ class GroupDone(EventBase):
 
 
 class BatchReleased(EventBase):
-    """buffer → the batch for ``step`` (``samples`` samples) is on ``batches:{agent}``."""
+    """buffer → the batch for ``weight_version`` (``samples`` samples) is on ``batches:{agent}``."""
 
     kind: Literal["batch_released"] = "batch_released"
-    step: int = Field(ge=1)
+    weight_version: int = Field(ge=1)
     samples: int = Field(ge=1)
 
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.contracts.messages import FinishReason
+
 
 class GenerateSamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -48,10 +50,11 @@ class GenerateReqInput(BaseModel):
         return self
 
 
-class FinishReason(BaseModel):
-    """SGLang's ``BaseFinishReason.to_json()``: stop {matched}, length {length}, abort {message, ...}."""
+class FinishInfo(BaseModel):
+    """SGLang's ``BaseFinishReason.to_json()``: stop {matched}, length {length}, abort {message, ...}; ``type``
+    is the one ``FinishReason`` of the contracts."""
 
-    type: Literal["stop", "length", "abort"]
+    type: FinishReason
     matched: int | str | None = None
     length: int | None = None
     message: str | None = None
@@ -71,7 +74,7 @@ class MetaInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     id: str
-    finish_reason: FinishReason
+    finish_reason: FinishInfo
     prompt_tokens: int
     completion_tokens: int
     weight_version: str

@@ -51,14 +51,16 @@ class Streams:
         """Ids of messages whose effect is done, per consumer group (idempotency)."""
         return f"{stream}:done:{group}"
 
-    def loaded_version(self, agent: str) -> str:
+    def loaded_weight_version(self, agent: str) -> str:
+        """The weight version loaded on the agent's engines (the key's name predates the rename: unchanged)."""
         return self.key(f"state:{agent}:loaded_version")
 
     def loaded_weights(self, agent: str) -> str:
         """The WeightsUpdate (JSON) last loaded on the agent's engines (the rollout resumes from it)."""
         return self.key(f"state:{agent}:loaded_weights")
 
-    def published_version(self, agent: str) -> str:
+    def published_weight_version(self, agent: str) -> str:
+        """The last weight version the agent's trainer committed (key name unchanged, as above)."""
         return self.key(f"state:{agent}:published_version")
 
     def buffer_samples(self, agent: str) -> str:

@@ -4,7 +4,7 @@ Owned here (``coord:run`` hash, ``coord:evals`` list): when the run started, whe
 paused or asked to stop, the error that stopped it, episodes played, and every evaluation
 report (so a restarted coordinator neither re-runs the start evaluation nor loses the end
 one). Read from their owners, never copied: the version the agent's engines have loaded
-(the rollout's ``loaded_version``) and each trained version's path and step metrics (the
+(the rollout's ``loaded_weight_version``) and each trained version's path and step metrics (the
 trainer's ``train_log``). The groups are in the ledger (ledger.py).
 """
 
@@ -73,7 +73,7 @@ class RunRecord:
 
     async def versions(self, agent: str) -> AgentVersions:
         s = self.bus.streams
-        loaded = int(await self.bus.redis.get(s.loaded_version(agent)) or 0)
+        loaded = int(await self.bus.redis.get(s.loaded_weight_version(agent)) or 0)
         log = [json.loads(x) for x in await self.bus.redis.lrange(s.train_log(agent), 0, -1)]
         return AgentVersions(loaded, sorted(log, key=lambda r: r["version"]))
 

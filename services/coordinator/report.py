@@ -25,8 +25,8 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
     for name, a in state.agents.items():
         first, last = quarters([r for _, r in a.group_rewards])
         agents[name] = {
-            "weight_versions": len(a.versions_loaded),
-            "last_weight_version": a.loaded_version,
+            "weight_versions": len(a.loaded_weight_versions),
+            "last_weight_version": a.loaded_weight_version,
             "steps": len(a.train_steps),
             "reward_first_quarter": first,
             "reward_last_quarter": last,
@@ -70,9 +70,9 @@ def plot(state: RunState, path: Path) -> None:
             smooth = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
             axes[0].plot(xs, smooth, label=f"agent {name}")
         steps = a.train_steps
-        axes[1].plot([s.get("version", i + 1) for i, s in enumerate(steps)],
+        axes[1].plot([s.get("weight_version", i + 1) for i, s in enumerate(steps)],
                      [s.get("pg_loss", 0.0) for s in steps], label=f"{name} pg loss")
-        axes[1].plot([s.get("version", i + 1) for i, s in enumerate(steps)],
+        axes[1].plot([s.get("weight_version", i + 1) for i, s in enumerate(steps)],
                      [s.get("clip_frac", 0.0) for s in steps], "--", label=f"{name} clip frac")
         if a.eval_start is not None and a.eval_end is not None:
             axes[2].bar([f"{name} start", f"{name} end"], [a.eval_start, a.eval_end])

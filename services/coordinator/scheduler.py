@@ -56,7 +56,7 @@ class Coordinator:
         self.local = LocalPlayers()
         self.context: dict[str, int] = {a: context_length(c.model_path) for a, c in cfg.agents.items()}
         # opponent pool: each agent's weight versions as they load (version 0 is the start model)
-        self.versions: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
+        self.pool_paths: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
         self.pool_rng = random.Random(cfg.run.seed)
         self.reply_stream = bus.streams.replies(name)
         self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
@@ -77,7 +77,7 @@ class Coordinator:
         self.evals, paths = await restore_run(self.state, self.run_record, self.ledger)
         self.evals_saved = len(self.evals)
         for agent, loaded in paths.items():
-            self.versions[agent] += [p for p in loaded if p not in self.versions[agent]]
+            self.pool_paths[agent] += [p for p in loaded if p not in self.pool_paths[agent]]
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -105,9 +105,9 @@ class Coordinator:
                 fut.set_result(reply)
 
     async def on_event(self, ev: Event) -> None:
-        if ev.kind == "weights_loaded" and ev.agent in self.versions and ev.path:
-            if ev.path not in self.versions[ev.agent]:
-                self.versions[ev.agent].append(ev.path)
+        if ev.kind == "weights_loaded" and ev.agent in self.pool_paths and ev.path:
+            if ev.path not in self.pool_paths[ev.agent]:
+                self.pool_paths[ev.agent].append(ev.path)
         if ev.kind == "rollout_load" and ev.agent not in self.engines_ready and any(
                 e.healthy for e in ev.engines):
             self.engines_ready.add(ev.agent)  # frozen agents too: they have no AgentState
@@ -116,11 +116,12 @@ class Coordinator:
         if agent is None:
             return
         if ev.kind == "weights_loaded":
-            agent.loaded_version = max(agent.loaded_version, ev.version)
-            if ev.version not in agent.versions_loaded:
-                agent.versions_loaded.append(ev.version)
-        elif ev.kind == "train_step" and all(t.get("version") != ev.version for t in agent.train_steps):
-            agent.train_steps.append({**finite(ev.metrics), "version": ev.version, "batch_step": ev.batch_step,
+            agent.loaded_weight_version = max(agent.loaded_weight_version, ev.weight_version)
+            if ev.weight_version not in agent.loaded_weight_versions:
+                agent.loaded_weight_versions.append(ev.weight_version)
+        elif ev.kind == "train_step" and all(t.get("weight_version") != ev.weight_version for t in agent.train_steps):
+            agent.train_steps.append({**finite(ev.metrics), "weight_version": ev.weight_version,
+                                      "batch_weight_version": ev.batch_weight_version,
                                       "time": ev.created_at})  # once per version (re-sends)
         elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
             agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
@@ -204,7 +205,7 @@ class Coordinator:
         out: dict[str, Player] = {}
         for role, player in roles.items():
             if isinstance(player, Pool):
-                recent = self.versions[player.agent][-self.cfg.environment.pool_size:]
+                recent = self.pool_paths[player.agent][-self.cfg.environment.pool_size:]
                 player = Local(path=self.pool_rng.choice(recent), agent=player.agent)
             out[role] = player
         return out
@@ -233,11 +234,11 @@ class Coordinator:
         timeout = self.cfg.run.group_timeout_s
         try:
             done = await asyncio.wait_for(self.play_group(index, roles, group_id), timeout)
-            counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask))
-                      for a in agents}
-            samples = [sample for r in done for sample in r.samples(counts)]
+            group_samples = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
+                             for a in agents}
+            samples = [sample for r in done for sample in r.samples(group_samples)]
             empty = {a: "episode error: every episode of the group failed" if not done else "no turn in any episode"
-                     for a in agents if not counts[a]}
+                     for a in agents if not group_samples[a]}
             means = await self.ledger.emit(group_id, samples, empty)
             emitted = set(means)
             for agent, mean in means.items():
@@ -320,7 +321,7 @@ class Coordinator:
         out = {a: r["score"] for a, r in zip(names, reports, strict=True)}
         self.evals.append({"label": label, "time": time.time(), "scores": out,
                            "details": dict(zip(names, reports, strict=True)),
-                           "versions": {a: self.state.agents[a].loaded_version for a in names}})
+                           "versions": {a: self.state.agents[a].loaded_weight_version for a in names}})
         log.info("eval %s: %s", label, {a: f"{r['score']} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
                                         for a, r in zip(names, reports, strict=True)})
         return out

@@ -1,7 +1,7 @@
 """Run state the coordinator owns: per-agent versions, group accounting, metrics, episodes.
 
 The launch gate (docs/architecture.md §4) lives here: agent X blocks a new group while
-``kept + in_flight >= (loaded_version + max_staleness + 1) * groups_per_batch``.
+``kept + in_flight >= (loaded_weight_version + max_staleness + 1) * groups_per_batch``.
 ``kept`` counts groups the buffer accepted, so a group it drops (stale,
 filtered) or one abandoned (see ledger.py) is replaced; with
 ``max_staleness = 0`` no group for step k+1 starts before version k+1 is
@@ -25,14 +25,25 @@ def finite(data: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 
 
+def train_step_entry(rec: dict[str, Any]) -> dict[str, Any]:
+    """A train step as the run state keeps it, from the trainer's log record (whose keys ``version`` and
+    ``batch_step`` are persisted as written: the same entry a ``TrainStep`` event makes, without its time)."""
+    metrics = rec.get("metrics", {})
+    entry = {k: v for k, v in metrics.items() if k not in ("version", "batch_step")}
+    entry["weight_version"] = rec["version"]
+    if "batch_step" in metrics:
+        entry["batch_weight_version"] = metrics["batch_step"]
+    return {**entry, "time": None}
+
+
 @dataclass
 class AgentState:
     name: str
     groups_per_batch: int
     max_staleness: int
     total_steps: int
-    loaded_version: int = 0
-    versions_loaded: list[int] = field(default_factory=list)
+    loaded_weight_version: int = 0
+    loaded_weight_versions: list[int] = field(default_factory=list)
     kept_groups: int = 0
     dropped_groups: int = 0
     abandoned_groups: int = 0
@@ -72,12 +83,12 @@ class AgentState:
 
     def restore_versions(self, loaded: int, records: list[dict[str, Any]]) -> None:
         """Versions as their owners hold them: ``loaded`` on the engines; the trainer's log records."""
-        self.loaded_version = max(self.loaded_version, loaded)
+        self.loaded_weight_version = max(self.loaded_weight_version, loaded)
         for rec in records:
-            if rec["version"] <= loaded and rec["version"] not in self.versions_loaded:
-                self.versions_loaded.append(rec["version"])
-            if all(t.get("version") != rec["version"] for t in self.train_steps):
-                self.train_steps.append({**rec.get("metrics", {}), "version": rec["version"], "time": None})
+            if rec["version"] <= loaded and rec["version"] not in self.loaded_weight_versions:
+                self.loaded_weight_versions.append(rec["version"])
+            if all(t.get("weight_version") != rec["version"] for t in self.train_steps):
+                self.train_steps.append(train_step_entry(rec))
 
     def restore_groups(self, outcomes: list[tuple[str, str, str, float, float | None]]) -> None:
         """Groups as the ledger holds them: (group id, state, reason, time, mean reward), by time."""
@@ -99,11 +110,11 @@ class AgentState:
 
     def blocked_by_staleness(self) -> bool:
         """A new group would be generated more than ``max_staleness`` versions behind."""
-        return self.claimed >= (self.loaded_version + self.max_staleness + 1) * self.groups_per_batch
+        return self.claimed >= (self.loaded_weight_version + self.max_staleness + 1) * self.groups_per_batch
 
     @property
     def finished(self) -> bool:
-        return self.loaded_version >= self.total_steps
+        return self.loaded_weight_version >= self.total_steps
 
 
 @dataclass
@@ -147,8 +158,8 @@ class RunState:
             last = a.train_steps[-1] if a.train_steps else {}
             agents[name] = {
                 "step": len(a.train_steps),
-                "weight_version": a.loaded_version,
-                "versions_loaded": len(a.versions_loaded),
+                "weight_version": a.loaded_weight_version,
+                "loaded_weight_versions": len(a.loaded_weight_versions),
                 "mean_reward": last.get("reward_mean"),
                 "recent_group_reward": (sum(r for _, r in a.group_rewards[-16:]) / len(a.group_rewards[-16:])
                                         if a.group_rewards else None),

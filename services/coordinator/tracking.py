@@ -103,7 +103,7 @@ class RunLogger:
                                     name=self.cfg.run.name, config=self.cfg.model_dump(mode="json"),
                                     settings=wandb.Settings(console="off", silent=True))
             for agent in self.cfg.agents:
-                for section, axis in (("train", "version"), ("reward", "group"), ("eval", "version"),
+                for section, axis in (("train", "weight_version"), ("reward", "group"), ("eval", "weight_version"),
                                       ("pipeline", "elapsed_s")):
                     self.wandb.define_metric(f"{agent}/{section}/{axis}")
                     self.wandb.define_metric(f"{agent}/{section}/*", step_metric=f"{agent}/{section}/{axis}")
@@ -120,9 +120,9 @@ class RunLogger:
         """One train_step event's metrics, at the weight version it produced."""
         values = numeric(metrics)
         self.steps_seen[agent] = self.steps_seen.get(agent, 0) + 1
-        step = int(values.pop("version", self.steps_seen[agent]))  # a metrics dict without a version: its count
+        step = int(values.pop("weight_version", self.steps_seen[agent]))  # without a version: its count
         values.pop("time", None)
-        self._scalars(f"{agent}/train", values, step, "version")
+        self._scalars(f"{agent}/train", values, step, "weight_version")
 
     def on_group_reward(self, agent: str, index: int, reward: float) -> None:
         """The mean reward of the agent's samples in its ``index``-th training group (1-based)."""
@@ -135,7 +135,8 @@ class RunLogger:
             values = numeric({k: detail.get(k) for k in ("wins", "draws", "losses", "mean_reward")})
             if isinstance(score, int | float):
                 values["score"] = float(score)
-            self._scalars(f"{agent}/eval", values, int(entry.get("versions", {}).get(agent, 0)), "version")
+            self._scalars(f"{agent}/eval", values, int(entry.get("versions", {}).get(agent, 0)),
+                          "weight_version")
 
     def on_episode(self, record: dict[str, Any]) -> None:
         """Every ``text_every``-th episode's transcript goes to TensorBoard as text."""
@@ -161,7 +162,7 @@ class RunLogger:
             batch.steps += [(name, rec) for _, rec in self._new(f"steps/{name}", a.train_steps)]
             batch.rewards += [(name, i, t, r) for i, (t, r) in self._new(f"rewards/{name}", a.group_rewards)]
             pipe = numeric({k: a.rollout.get(k) for k in PIPELINE_KEYS})
-            pipe.update(weight_version=a.loaded_version, groups_kept=a.kept_groups,
+            pipe.update(weight_version=a.loaded_weight_version, groups_kept=a.kept_groups,
                         groups_dropped=a.dropped_groups, groups_in_flight=a.in_flight_groups)
             batch.pipeline[name] = pipe
         batch.evals = [e for _, e in self._new("evals", coord.evals)]

@@ -158,7 +158,7 @@ async def score_vs_scripted(players: EnginePlayers, agent: str, games: int, temp
     results = await play_eval(TicTacToe, env_cfg, player, ["X", "O"], opponent, games,
                               SamplingParams(max_new_tokens=max_new_tokens), temperature, play)
     scores = score(results, ["X", "O"], opponent)
-    moves = sum(len(r.views[mine].versions) for mine, r in results)
+    moves = sum(len(r.views[mine].weight_versions) for mine, r in results)
     illegal = sum(1 for mine, r in results if r.summary.get("illegal") and r.transcript[-1]["role"] == mine)
     return {"score": scores["score"], "score_X": scores["per_role"]["X"], "score_O": scores["per_role"]["O"],
             "legal_rate": 1.0 - illegal / max(moves, 1), "illegal_games": illegal / games}

@@ -45,15 +45,13 @@ class AnswerThenAnswerParams(EnvParams):
         return ops
 
 
-class AnswerThenAnswer(Environment):
+class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
     roles: ClassVar[tuple[str, ...]] = ("first", "second")
     description: ClassVar[str] = ("Arithmetic: the first role answers, the second sees that answer and answers; "
                                   "each +1 if right, -format_penalty if no integer.")
     scripted_players: ClassVar[tuple[str, ...]] = ("correct", "wrong", "copy")
 
-    Params: ClassVar[type[EnvParams]] = AnswerThenAnswerParams
     env_name: ClassVar[str] = "answer_then_answer"
-    params: AnswerThenAnswerParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -75,8 +73,7 @@ class AnswerThenAnswer(Environment):
         return -self.params.format_penalty if value is None else float(value == self.answer)
 
     async def step(self, role: str, reply: str) -> StepResult:
-        if role != self.current_role():
-            raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
+        self.check_turn(role)
         self.replies[role] = first_int(reply)
         if role == "first":
             return StepResult(done=False, info={"answer": self.replies[role]})

@@ -8,7 +8,8 @@ baseline (same seed, so the same start). ``scripted_reply`` plays a role
 without a model (evaluation opponents, tests, ``scripted:<player>`` roles).
 Per-turn rewards (``StepResult.turn_rewards``) are optional; the coordinator
 adds them to the final rewards. The parameters (``environment.params``) are the
-class's ``Params``, a pydantic model (params.py); ``self.params`` is an instance.
+class's ``Params``, a pydantic model (params.py), declared once as the type argument
+(``class TicTacToe(Environment[TicTacToeParams])``); ``self.params`` is an instance.
 ``render`` (optional) draws a state for the
 dashboard's transcript browser: HTML or text, as ``render_format`` says.
 """
@@ -19,11 +20,13 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast, get_args
 
 from services.envs.params import EnvParamError, EnvParams, NoParams, validate
 
 __all__ = ["Environment", "EnvParamError", "EnvParams", "StepResult", "score_for"]
+
+P = TypeVar("P", bound=EnvParams)
 
 
 @dataclass
@@ -34,19 +37,29 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Environment(ABC):
+class Environment(ABC, Generic[P]):
     roles: ClassVar[tuple[str, ...]]
     description: ClassVar[str] = ""
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
     # scripted player -> the roles it can play (a player not listed can play every role)
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {}
-    # the parameters (``environment.params``), a pydantic model; ``env_name`` starts its error messages
+    # the parameters (``environment.params``), a pydantic model: the type argument ``P`` of a subclass
+    # (``Environment[XParams]``) or set directly; ``env_name`` starts its error messages
     Params: ClassVar[type[EnvParams]] = NoParams
+    params: P
     env_name: ClassVar[str] = ""
     render_format: ClassVar[str] = "text"  # what ``render`` returns: "text" or "html" (a fragment)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """``class X(Environment[XParams])`` (or a generic base's ``[XParams]``): X's ``Params`` is XParams."""
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            args = get_args(base)
+            if args and isinstance(args[0], type) and issubclass(args[0], EnvParams):
+                cls.Params = args[0]
+
     def __init__(self, params: Mapping[str, Any] | EnvParams, seed: int) -> None:
-        self.params = self.check_params(params)
+        self.params = cast(P, self.check_params(params))
         self.seed = seed
         self.rng = random.Random(seed)
 
@@ -66,6 +79,19 @@ class Environment(ABC):
     @abstractmethod
     async def step(self, role: str, reply: str) -> StepResult:
         """Apply ``role``'s reply. Unparseable replies get the env's stated penalty."""
+
+    def check_turn(self, role: str) -> None:
+        """Raise ValueError unless ``role`` is the one that acts now (``current_role``)."""
+        if role != self.current_role():
+            raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
+
+    def turn_result(self, turn_rewards: dict[str, float], info: dict[str, Any], out_of_turns: bool = False
+                    ) -> StepResult:
+        """A turn that does not decide the episode: it goes on, or, ``out_of_turns`` (its turn limit), ends with
+        no final reward for any role."""
+        if out_of_turns:
+            return StepResult(done=True, rewards=dict.fromkeys(self.roles, 0.0), turn_rewards=turn_rewards, info=info)
+        return StepResult(done=False, turn_rewards=turn_rewards, info=info)
 
     @abstractmethod
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:

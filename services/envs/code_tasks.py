@@ -24,9 +24,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from services.envs.params import EnvParams
 from services.envs.sandbox import run_python
-from services.envs.verifiable import CriticParams, SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
+from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -94,14 +93,8 @@ class CodeParams(VerifiableParams):
     wall_s: float = Field(5.0, ge=1.0, le=30.0, description="sandbox wall clock")
 
 
-class CodeCriticParams(CodeParams, CriticParams):
-    pass
-
-
-class _CodeMixin(_Verifiable):
+class _CodeMixin(_Verifiable[CodeParams]):
     env_name: ClassVar[str] = "code"
-    Params: ClassVar[type[EnvParams]] = CodeParams
-    params: CodeParams
 
     def make_task(self, rng: random.Random) -> Task:
         p = self.params
@@ -116,7 +109,5 @@ class Code(_CodeMixin, SolveEnv):
 
 
 class CodeCritic(_CodeMixin, SolveCriticEnv):
-    env_name: ClassVar[str] = "code_critic"
-    Params: ClassVar[type[EnvParams]] = CodeCriticParams
     description: ClassVar[str] = ("Code, solver and critic: the critic judges the program, the solver may revise; "
                                   "the final program is graded in the sandbox.")

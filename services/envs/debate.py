@@ -54,7 +54,7 @@ class DebateParams(EnvParams):
     format_penalty: float = Field(0.5, ge=0.0, le=10.0)
 
 
-class Debate(Environment):
+class Debate(Environment[DebateParams]):
     roles: ClassVar[tuple[str, ...]] = ("pro", "con", "judge")
     description: ClassVar[str] = ("Debate: pro and con argue a motion for k rounds; a judge (rule-based or an "
                                   "agent) picks the winner; zero-sum +1/-1.")
@@ -62,9 +62,7 @@ class Debate(Environment):
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
         "rules": ("judge",), "evidence": ("pro", "con"), "silent": ("pro", "con")}
 
-    Params: ClassVar[type[EnvParams]] = DebateParams
     env_name: ClassVar[str] = "debate"
-    params: DebateParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -101,8 +99,7 @@ class Debate(Environment):
         return "pro" if pro > con else "con" if con > pro else "tie"
 
     async def step(self, role: str, reply: str) -> StepResult:
-        if role != self.current_role():
-            raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
+        self.check_turn(role)
         self.turn += 1
         if role != "judge":
             arg = " ".join(reply.split())[: self.params.max_chars]

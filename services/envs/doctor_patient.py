@@ -85,7 +85,7 @@ class DoctorPatientParams(EnvParams):
     format_penalty: float = Field(0.2, ge=0.0, le=10.0)
 
 
-class DoctorPatient(Environment):
+class DoctorPatient(Environment[DoctorPatientParams]):
     roles: ClassVar[tuple[str, ...]] = ("doctor", "patient")
     description: ClassVar[str] = ("Doctor asks, patient answers from a synthetic case; doctor rewarded for a right "
                                   "diagnosis in few turns, patient for consistent, complete, non-leaking answers.")
@@ -94,9 +94,7 @@ class DoctorPatient(Environment):
         "systematic": ("doctor",), "random": ("doctor",), "faithful": ("patient",), "leaky": ("patient",),
         "liar": ("patient",)}
 
-    Params: ClassVar[type[EnvParams]] = DoctorPatientParams
     env_name: ClassVar[str] = "doctor_patient"
-    params: DoctorPatientParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -119,15 +117,9 @@ class DoctorPatient(Environment):
     def observation(self, role: str) -> str:
         return self.doctor_note if role == "doctor" else self.patient_note
 
-    def _doctor_turn_over(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
-        if self.doctor_turns >= self.params.max_turns and self.to_act == "doctor":
-            return StepResult(done=True, rewards={"doctor": 0.0, "patient": 0.0}, turn_rewards=turn, info=info)
-        return StepResult(done=False, turn_rewards=turn, info=info)
-
     async def step(self, role: str, reply: str) -> StepResult:
         p = self.params
-        if role != self.to_act:
-            raise ValueError(f"it is {self.to_act}'s turn, not {role!r}'s")
+        self.check_turn(role)
         if role == "patient":
             said = " ".join(reply.split())[:60] or "(no answer)"
             if self.topic is None:  # a free-form question: only leaks and empty answers can be judged
@@ -143,7 +135,8 @@ class DoctorPatient(Environment):
             r = {"consistent": p.answer_reward, "contradicts": -p.answer_reward, "incomplete": 0.0,
                  "unchecked": 0.0, "empty": -p.format_penalty}[verdict] - (p.leak_penalty if leaked else 0.0)
             self.to_act = "doctor"
-            return self._doctor_turn_over({"patient": r}, {"verdict": verdict, "leaked": leaked})
+            return self.turn_result({"patient": r}, {"verdict": verdict, "leaked": leaked},
+                                    out_of_turns=self.doctor_turns >= p.max_turns)
         self.doctor_turns += 1
         m = ACTION.match(reply)
         verb, word = (m.group(1).lower(), m.group(2).lower()) if m else ("", "")
@@ -158,11 +151,11 @@ class DoctorPatient(Environment):
         cost = {"doctor": -p.turn_cost - (0.0 if well_formed else p.format_penalty)}
         info: dict[str, Any] = {"ask": word} if well_formed else {"malformed": reply[:40]}
         if not well_formed and self.doctor_turns >= p.max_turns:
-            return StepResult(done=True, rewards={"doctor": 0.0, "patient": 0.0}, turn_rewards=cost, info=info)
+            return self.turn_result(cost, info, out_of_turns=True)
         self.to_act = "patient"  # a malformed reply still reaches the patient, as a free-form question
         self.patient_note = (self.patient_note + "\n" if not self.briefed else "") + f"Doctor: {question}"
         self.briefed = True
-        return StepResult(done=False, turn_rewards=cost, info=info)
+        return self.turn_result(cost, info)
 
     def _possible(self) -> list[dict[str, Any]]:
         out = []

@@ -44,14 +44,12 @@ class GuessNumberParams(EnvParams):
         return high
 
 
-class GuessNumber(Environment):
+class GuessNumber(Environment[GuessNumberParams]):
     roles: ClassVar[tuple[str, ...]] = ("guesser",)
     description: ClassVar[str] = ("Guess a hidden integer; the answerer says too high/too low. +1 found, "
                                   "-turn_cost per guess, -format_penalty per non-integer reply.")
     scripted_players: ClassVar[tuple[str, ...]] = ("bisect", "random")
-    Params: ClassVar[type[EnvParams]] = GuessNumberParams
     env_name: ClassVar[str] = "guess_number"
-    params: GuessNumberParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)

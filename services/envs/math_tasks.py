@@ -20,8 +20,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from services.envs.params import EnvParams
-from services.envs.verifiable import CriticParams, SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
+from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 KINDS = ("arith", "linear")
 INTEGER = re.compile(r"-?\d+")
@@ -61,14 +60,8 @@ class MathParams(VerifiableParams):
         return kinds
 
 
-class MathCriticParams(MathParams, CriticParams):
-    pass
-
-
-class _MathMixin(_Verifiable):
+class _MathMixin(_Verifiable[MathParams]):
     env_name: ClassVar[str] = "math"
-    Params: ClassVar[type[EnvParams]] = MathParams
-    params: MathParams
 
     def make_task(self, rng: random.Random) -> Task:
         return make_math_task(rng, [k.strip() for k in self.params.kinds.split(",")], self.params.max_operand)
@@ -79,7 +72,5 @@ class Math(_MathMixin, SolveEnv):
 
 
 class MathCritic(_MathMixin, SolveCriticEnv):
-    env_name: ClassVar[str] = "math_critic"
-    Params: ClassVar[type[EnvParams]] = MathCriticParams
     description: ClassVar[str] = ("Math, solver and critic: the critic judges the answer (+1 if its verdict is "
                                   "right), the solver may revise; the final answer is graded.")

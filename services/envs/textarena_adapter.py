@@ -72,14 +72,12 @@ class TextArenaParams(EnvParams):
         return kwargs
 
 
-class TextArena(Environment):
+class TextArena(Environment[TextArenaParams]):
     roles: ClassVar[tuple[str, ...]] = ("P0", "P1")
     description: ClassVar[str] = ("Any two-player TextArena game by id (params.game); the game's own rules, "
                                   "invalid-move handling and +1/-1/0 rewards.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
-    Params: ClassVar[type[EnvParams]] = TextArenaParams
     env_name: ClassVar[str] = "textarena"
-    params: TextArenaParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -107,8 +105,7 @@ class TextArena(Environment):
     async def step(self, role: str, reply: str) -> StepResult:
         if self.done:
             raise RuntimeError("the episode is over")
-        if role != self.current_role():
-            raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
+        self.check_turn(role)
         self.seen[self.player].append(self.pending)
         done, _ = self.game.step(reply.strip())
         if done:

@@ -106,14 +106,12 @@ class TicTacToeParams(EnvParams):
     opening_moves: int = Field(0, ge=0, le=MAX_OPENING_MOVES, description="random legal moves the episode starts with")
 
 
-class TicTacToe(Environment):
+class TicTacToe(Environment[TicTacToeParams]):
     roles: ClassVar[tuple[str, ...]] = ("X", "O")
     description: ClassVar[str] = ("Tic-tac-toe: reply with one digit 1-9 (empty cell, row-major). "
                                   "Win +1, loss -1, draw 0; an illegal reply scores -1 and ends the game.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random", "minimax")
-    Params: ClassVar[type[EnvParams]] = TicTacToeParams
     env_name: ClassVar[str] = "tictactoe"
-    params: TicTacToeParams
     render_format: ClassVar[str] = "html"
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
@@ -145,8 +143,7 @@ class TicTacToe(Environment):
     async def step(self, role: str, reply: str) -> StepResult:
         if self.done:
             raise RuntimeError("the episode is over")
-        if role != self.to_move:
-            raise ValueError(f"it is {self.to_move}'s turn, not {role!r}'s")
+        self.check_turn(role)
         other = "O" if role == "X" else "X"
         cell = parse_move(reply)
         if cell is None or self.board[cell - 1] != ".":

@@ -67,7 +67,7 @@ class TwentyQuestionsParams(EnvParams):
     format_penalty: float = Field(0.2, ge=0.0, le=10.0)
 
 
-class TwentyQuestions(Environment):
+class TwentyQuestions(Environment[TwentyQuestionsParams]):
     roles: ClassVar[tuple[str, ...]] = ("asker", "answerer")
     description: ClassVar[str] = ("Twenty questions: the asker names a hidden object by yes/no questions; the "
                                   "answerer's answers are checked against the attribute table.")
@@ -75,9 +75,7 @@ class TwentyQuestions(Environment):
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {
         "halving": ("asker",), "truthful": ("answerer",), "liar": ("answerer",)}
 
-    Params: ClassVar[type[EnvParams]] = TwentyQuestionsParams
     env_name: ClassVar[str] = "twenty_questions"
-    params: TwentyQuestionsParams
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -101,14 +99,11 @@ class TwentyQuestions(Environment):
 
     def _asked(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
         self.questions += 1
-        if self.questions >= self.params.max_questions:
-            return StepResult(done=True, rewards={"asker": 0.0, "answerer": 0.0}, turn_rewards=turn, info=info)
-        return StepResult(done=False, turn_rewards=turn, info=info)
+        return self.turn_result(turn, info, out_of_turns=self.questions >= self.params.max_questions)
 
     async def step(self, role: str, reply: str) -> StepResult:
         p = self.params
-        if role != self.to_act:
-            raise ValueError(f"it is {self.to_act}'s turn, not {role!r}'s")
+        self.check_turn(role)
         if role == "answerer":
             assert self.pending is not None
             said, truth = yes_no(reply), TABLE[self.secret][self.pending]

@@ -25,9 +25,9 @@ import random
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field
+from pydantic import Field, create_model
 
 from services.envs.base import Environment, StepResult
 from services.envs.params import EnvParams
@@ -54,7 +54,10 @@ class CriticParams(EnvParams):
     revise: bool = Field(True, description="the solver answers again after the critic's verdict")
 
 
-class _Verifiable(Environment):
+VP = TypeVar("VP", bound=VerifiableParams)
+
+
+class _Verifiable(Environment[VP]):
     scripted_players: ClassVar[tuple[str, ...]] = ("oracle", "wrong", "yes")
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {"wrong": ("solver",), "yes": ("critic",)}
     Params: ClassVar[type[EnvParams]] = VerifiableParams
@@ -113,6 +116,15 @@ class SolveEnv(_Verifiable):
 class SolveCriticEnv(_Verifiable):
     roles: ClassVar[tuple[str, ...]] = ("solver", "critic")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The critic form of a task family (``class MathCritic(_MathMixin, SolveCriticEnv)``): the family's
+        parameters plus the critic's (``CriticParams``), and the family's ``env_name`` plus ``_critic``."""
+        super().__init_subclass__(**kwargs)
+        if not issubclass(cls.Params, CriticParams):
+            name = f"{cls.Params.__name__.removesuffix('Params')}CriticParams"
+            cls.Params = create_model(name, __base__=(cls.Params, CriticParams), __module__=cls.__module__)
+            cls.env_name = f"{cls.env_name}_critic"
+
     def current_role(self) -> str:
         return "critic" if len(self.replies) == 1 else "solver"
 
@@ -124,8 +136,7 @@ class SolveCriticEnv(_Verifiable):
         return f"Critic: {self.replies[1][1][:200] or '(no verdict)'}\nYour final answer:"
 
     async def step(self, role: str, reply: str) -> StepResult:
-        if role != self.current_role():
-            raise ValueError(f"it is {self.current_role()}'s turn, not {role!r}'s")
+        self.check_turn(role)
         self.replies.append((role, reply))
         if role == "solver":
             score = await self.grade(reply)

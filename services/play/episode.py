@@ -34,9 +34,9 @@ class View:
     player: Player
     role: str
     tokens: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
     engines: list[str] = field(default_factory=list)
     reply_ids: list[str] = field(default_factory=list)
 
@@ -47,14 +47,14 @@ class View:
 
     def add_context(self, ids: list[int]) -> None:
         self.tokens += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.rollout_logprobs += [0.0] * len(ids)
 
     def add_reply(self, reply: GenerateReply) -> None:
         self.tokens += reply.output_ids
-        self.mask += [1] * len(reply.output_ids)
-        self.logprobs += reply.output_logprobs
-        self.versions.append(reply.weight_version)
+        self.loss_mask += [1] * len(reply.output_ids)
+        self.rollout_logprobs += reply.output_logprobs
+        self.weight_versions.append(reply.weight_version)
         self.engines.append(reply.engine)
         self.reply_ids.append(reply.id)
 
@@ -70,18 +70,20 @@ class EpisodeResult:
     summary: dict[str, Any]
     purpose: str
 
-    def samples(self, group_size: dict[str, int]) -> list[Sample]:
-        """One Sample per view of an agent in ``group_size`` that generated something."""
+    def samples(self, group_samples: dict[str, int]) -> list[Sample]:
+        """One Sample per view of an agent in ``group_samples`` (agent -> its samples in the whole group, the
+        ``Sample.group_samples`` the buffer completes the group at) that generated something."""
         out = []
         for role, view in self.views.items():
-            if not isinstance(view.player, AgentPlayer) or view.player.agent not in group_size or not any(view.mask):
+            if (not isinstance(view.player, AgentPlayer) or view.player.agent not in group_samples
+                    or not any(view.loss_mask)):
                 continue  # a frozen or in-process player: not trained
             agent = view.player.agent
             out.append(Sample(
                 agent=agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
-                group_size=group_size[agent], tokens=view.tokens, loss_mask=view.mask,
-                rollout_logprobs=view.logprobs, reward=self.rewards.get(role, 0.0),
-                turn_weight_versions=view.versions, engines=view.engines, reply_ids=view.reply_ids,
+                group_samples=group_samples[agent], tokens=view.tokens, loss_mask=view.loss_mask,
+                rollout_logprobs=view.rollout_logprobs, reward=self.rewards.get(role, 0.0),
+                weight_versions=view.weight_versions, engines=view.engines, reply_ids=view.reply_ids,
             ))
         return out
 

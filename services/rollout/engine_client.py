@@ -10,18 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
+from services.contracts.messages import FinishReason
 from services.contracts.sglang_api import (
     GenerateReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
-
-FinishType = Literal["stop", "length", "abort"]
 
 
 class EngineClientError(RuntimeError):
@@ -41,7 +40,7 @@ class EngineClientError(RuntimeError):
 class GenerateResult:
     output_ids: list[int]
     output_logprobs: list[float]
-    finish_reason: FinishType
+    finish_reason: FinishReason
     weight_version: int  # the OLDEST version that produced a token (what staleness must count)
     prompt_tokens: int
     engine: str | None = None  # meta_info.engine when the engine reports it (ours does, SGLang does not)

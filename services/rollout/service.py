@@ -144,27 +144,27 @@ class RolloutService:
         agent, s = self.agent, self.bus.streams
         if w.agent != agent:
             raise Reject(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
-        loaded = await self.bus.redis.get(s.loaded_version(agent))
-        if loaded is not None and w.version < int(loaded):  # a redelivered old update never rolls engines back
-            log.warning("version %d arrived after version %s was loaded: skipped", w.version, int(loaded))
+        loaded = await self.bus.redis.get(s.loaded_weight_version(agent))
+        if loaded is not None and w.weight_version < int(loaded):  # a redelivered old update never rolls engines back
+            log.warning("version %d arrived after version %s was loaded: skipped", w.weight_version, int(loaded))
             return
         why = await refusal(self.bus.redis, s, await run_secret(self.bus.redis, s), w)
         if why is not None:
-            raise Reject(f"weights version {w.version} at {w.path} refused: {why}")
+            raise Reject(f"weights version {w.weight_version} at {w.path} refused: {why}")
         if self.fleet is not None:
-            engines = await self.fleet.load_weights(w.path, w.version)
+            engines = await self.fleet.load_weights(w.path, w.weight_version)
         else:
             engines = await list_workers(self.router_url)
-            await asyncio.gather(*(self.client.update_weights(url, w.path, w.version) for url in engines))
+            await asyncio.gather(*(self.client.update_weights(url, w.path, w.weight_version) for url in engines))
         if not engines:
-            raise RetryLater(f"no engine is up to load version {w.version} on")
+            raise RetryLater(f"no engine is up to load version {w.weight_version} on")
         async with self.bus.redis.pipeline(transaction=True) as pipe:
-            pipe.set(s.loaded_version(agent), w.version)
+            pipe.set(s.loaded_weight_version(agent), w.weight_version)
             pipe.set(s.loaded_weights(agent), w.model_dump_json())
             await pipe.execute()
-        await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent, version=w.version,
-                                                       engines=engines, path=w.path))
-        log.info("version %d loaded on %d engine(s)", w.version, len(engines))
+        await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent,
+                                                       weight_version=w.weight_version, engines=engines, path=w.path))
+        log.info("version %d loaded on %d engine(s)", w.weight_version, len(engines))
 
     # --- the load report --------------------------------------------------------------
     async def report_load(self, stop: asyncio.Event) -> None:
@@ -201,7 +201,7 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
         return
     why = await refusal(bus.redis, bus.streams, await run_secret(bus.redis, bus.streams), w)
     if why is not None:
-        log.warning("not resuming weights version %d (%s): engines start on the base model", w.version, why)
+        log.warning("not resuming weights version %d (%s): engines start on the base model", w.weight_version, why)
         return
-    await fleet.load_weights(w.path, w.version)
-    log.info("resumed on version %d", w.version)
+    await fleet.load_weights(w.path, w.weight_version)
+    log.info("resumed on version %d", w.weight_version)

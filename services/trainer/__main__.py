@@ -41,7 +41,7 @@ async def main_async(config: str, agent: str) -> int:
         log.error("%s", exc)
         await bus.close()
         return 1
-    log.info("trainer for %s (%s, %s) at version %d", agent, acfg.backend, acfg.algorithm.name, trainer.version)
+    log.info("trainer for %s (%s, %s) at version %d", agent, acfg.backend, acfg.algorithm.name, trainer.weight_version)
     stop = trainer.stop
     await run_service(f"trainer.{agent}", bus, stop,
                       bus.consume(bus.streams.batches(agent), "trainer", bus.service, trainer.on_batch, stop),

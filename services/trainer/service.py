@@ -85,7 +85,7 @@ class TrainerService:
         self.log = logging.getLogger(f"tandem.trainer.{agent}")
         self.ckpt_dir = Path(cfg.run.checkpoint_root) / cfg.run.name / agent
         self.state_root = self.ckpt_dir / "state"
-        self.version = 0
+        self.weight_version = 0
         self.busy = asyncio.Lock()  # one policy operation at a time (a step, or a checkpoint command)
         self.max_nonfinite = cfg.agents[agent].max_nonfinite_steps
         self.nonfinite_in_row = 0
@@ -107,12 +107,12 @@ class TrainerService:
             raise RuntimeError(f"the trainer stopped after {self.nonfinite_in_row} non-finite training steps in a row "
                                f"(agents.{self.agent}.max_nonfinite_steps = {self.max_nonfinite}); "
                                f"see train_step_skipped events and the dead-letter stream")
-        self.version = int(await self.bus.redis.get(s.published_version(self.agent)) or 0)
-        await asyncio.to_thread(tidy_states, self.state_root, self.version)
-        if self.version:
-            start = self.state_dir(self.version)
+        self.weight_version = int(await self.bus.redis.get(s.published_weight_version(self.agent)) or 0)
+        await asyncio.to_thread(tidy_states, self.state_root, self.weight_version)
+        if self.weight_version:
+            start = self.state_dir(self.weight_version)
             if not start.is_dir():
-                raise RuntimeError(f"version {self.version} is published but its training state {start} is "
+                raise RuntimeError(f"version {self.weight_version} is published but its training state {start} is "
                                    "missing; cannot resume")
             await asyncio.to_thread(self.policy.load_state, start)
         else:
@@ -143,35 +143,38 @@ class TrainerService:
     async def on_control(self, cmd: Control) -> None:
         if cmd.command == "checkpoint":  # every version's state is saved anyway; re-write the current one
             async with self.busy:
-                path = await asyncio.to_thread(self.policy.save_state, self.state_dir(self.version), self.version)
-            self.log.info("trainer state (weights, optimizer, scheduler, RNG, version %d) at %s", self.version, path)
+                v = self.weight_version
+                path = await asyncio.to_thread(self.policy.save_state, self.state_dir(v), v)
+            self.log.info("trainer state (weights, optimizer, scheduler, RNG, version %d) at %s", v, path)
 
     # --- one step ---------------------------------------------------------------------
     async def train(self, batch: Batch, fresh: list[Sample]) -> None:
-        new_version = self.version + 1
+        new_version = self.weight_version + 1
         try:
             metrics = await asyncio.to_thread(self.policy.train_step, fresh)
             failpoint("after_train", new_version)
             path, checksum = await asyncio.to_thread(self.policy.save, self.ckpt_dir / f"v{new_version:05d}")
             await asyncio.to_thread(self.policy.save_state, self.state_dir(new_version), new_version)
             failpoint("after_state", new_version)
+            # the train log's record (persisted: its keys "version"/"batch_step" stay as written before schema 3)
             record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
                       "path": str(path.resolve()), "checksum": checksum,
                       "signature": sign(self.secret, self.agent, new_version, str(path.resolve()), checksum),
                       "engines": sorted({e for x in fresh for e in x.engines}),
                       "min_weight_version": min(x.min_weight_version for x in fresh),
-                      "metrics": {**metrics, "version": new_version, "batch_step": batch.step}}
+                      "metrics": {**metrics, "version": new_version, "batch_step": batch.weight_version}}
             await self.commit(fresh, record)
         except NonFiniteStep as exc:
-            self.log.warning("step %d is non-finite (%s); rolling back to version %d", new_version, exc, self.version)
-            await asyncio.to_thread(self.policy.load_state, self.state_dir(self.version))
+            self.log.warning("step %d is non-finite (%s); rolling back to version %d", new_version, exc,
+                             self.weight_version)
+            await asyncio.to_thread(self.policy.load_state, self.state_dir(self.weight_version))
             await self.skip(batch, fresh, str(exc))
         except BaseException:
             self.log.warning("step %d failed before its commit; rolling back to version %d", new_version,
-                             self.version)
-            await asyncio.to_thread(self.policy.load_state, self.state_dir(self.version))
+                             self.weight_version)
+            await asyncio.to_thread(self.policy.load_state, self.state_dir(self.weight_version))
             raise
-        self.version = new_version
+        self.weight_version = new_version
         self.nonfinite_in_row = 0
         failpoint("after_commit", new_version)
         await asyncio.to_thread(tidy_states, self.state_root, new_version)
@@ -186,8 +189,9 @@ class TrainerService:
         self.nonfinite_in_row += 1
         SKIPPED_STEPS.labels(agent=self.agent).inc()
         groups = sorted({x.group_id for x in fresh})
-        rec = {"batch_id": batch.id, "batch_step": batch.step, "reason": reason, "sample_ids": [x.id for x in fresh],
-               "group_ids": groups, "consecutive": self.nonfinite_in_row, "version": self.version}
+        rec = {"batch_id": batch.id, "batch_step": batch.weight_version, "reason": reason,  # persisted keys
+               "sample_ids": [x.id for x in fresh], "group_ids": groups, "consecutive": self.nonfinite_in_row,
+               "version": self.weight_version}
         keys = [s.skipped_batches(self.agent), s.batches_released(self.agent), s.buffer_verdicts(self.agent),
                 s.nonfinite_in_row(self.agent)]
         await self._skip(keys=keys, args=[batch.id, json.dumps(rec), "dropped:non-finite training step",
@@ -201,7 +205,7 @@ class TrainerService:
 
     async def reject_skipped(self, rec: dict[str, Any]) -> None:
         await self.bus.publish(self.bus.streams.events, TrainStepSkipped(
-            source=self.bus.service, agent=self.agent, batch_id=rec["batch_id"], batch_step=rec["batch_step"],
+            source=self.bus.service, agent=self.agent, batch_id=rec["batch_id"], batch_weight_version=rec["batch_step"],
             reason=rec["reason"], sample_ids=rec["sample_ids"], group_ids=rec["group_ids"],
             consecutive=rec["consecutive"]))
         raise Reject(f"training step skipped, nothing published ({rec['reason']}); the weights stay at version "
@@ -212,7 +216,7 @@ class TrainerService:
         s = self.bus.streams
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(s.trained_samples(self.agent), *[x.id for x in fresh])
-            pipe.set(s.published_version(self.agent), record["version"])
+            pipe.set(s.published_weight_version(self.agent), record["version"])
             pipe.rpush(s.train_log(self.agent), json.dumps(record))
             pipe.set(s.nonfinite_in_row(self.agent), 0)
             await pipe.execute()
@@ -221,11 +225,12 @@ class TrainerService:
         """Publish a committed version: its weights, then its train_step event (kept once per version)."""
         s = self.bus.streams
         await self.bus.publish(s.weights(self.agent), WeightsUpdate(
-            agent=self.agent, version=rec["version"], path=rec["path"], checksum=rec["checksum"],
+            agent=self.agent, weight_version=rec["version"], path=rec["path"], checksum=rec["checksum"],
             signature=rec.get("signature") or sign(self.secret, self.agent, rec["version"], rec["path"],
                                                     rec["checksum"])))
         if "metrics" in rec:
             metrics = {k: v for k, v in rec["metrics"].items() if k not in ("version", "batch_step")}
             await self.bus.publish(s.events, TrainStep(source=self.bus.service, agent=self.agent,
-                                                       version=rec["version"], batch_step=rec["metrics"]["batch_step"],
+                                                       weight_version=rec["version"],
+                                                       batch_weight_version=rec["metrics"]["batch_step"],
                                                        metrics=metrics))

@@ -17,7 +17,7 @@ from services.contracts.messages import Sample
 class Policy(Protocol):
     """What the trainer service needs of a backend."""
 
-    version: int
+    weight_version: int
     """The weight version its weights are: 0 at start, set by ``load_state``, +1 per ``train_step``
     (TIS compares samples against it)."""
     follower: bool

@@ -65,7 +65,7 @@ class TrainingStep(ABC):
     backend: str  # the name reported in the metrics ("torch", "megatron")
     algo: Algorithm
     cfg: AlgorithmConfig
-    version: int
+    weight_version: int
     pad_id: int
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -94,7 +94,7 @@ class TrainingStep(ABC):
 
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         start = time.perf_counter()
-        plan = self.algo.prepare(samples, self.version)
+        plan = self.algo.prepare(samples, self.weight_version)
         rows = [self.rows(mb) for mb in plan.minibatches]
         batches = [pad_batch([plan.samples[i] for i in r], self.pad_id) for r in rows]
         none: list[torch.Tensor | None] = [None] * len(batches)
@@ -114,6 +114,6 @@ class TrainingStep(ABC):
                 parts.append(stats)
         if not self.weights_finite():
             raise NonFiniteStep("non-finite weights after the optimizer step")
-        self.version += 1
+        self.weight_version += 1
         return step_metrics(parts, samples, plan, self.cfg, self.backend, self.scheduler.get_last_lr()[0],
                             grad_norms, time.perf_counter() - start)

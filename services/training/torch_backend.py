@@ -44,7 +44,7 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
 
 
 class TorchPolicy(TrainingStep):
-    """The torch backend; ``version`` is the weight version its weights are (0 = the start model)."""
+    """The torch backend; ``weight_version`` is the weight version its weights are (0 = the start model)."""
 
     backend = "torch"
     follower = False  # one process: no ranks to follow
@@ -54,7 +54,7 @@ class TorchPolicy(TrainingStep):
         random.seed(acfg.seed)
         self.acfg, self.cfg, self.temperature = acfg, acfg.algorithm, temperature
         self.algo = make_algorithm(self.cfg)
-        self.version = 0
+        self.weight_version = 0
         self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
         base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32)
         self.reference: torch.nn.Module | None = None
@@ -149,8 +149,8 @@ class TorchPolicy(TrainingStep):
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        self.version = int(state["version"])
-        return self.version
+        self.weight_version = int(state["version"])
+        return self.weight_version
 
     # -- ranks: a single process has none ------------------------------------------------
     def follow(self) -> None:

@@ -17,10 +17,10 @@ from services.contracts.messages import Sample
 def typical_sample(n_tokens: int = 400) -> dict:
     rng = random.Random(0)
     mask = [1 if i % 10 > 6 else 0 for i in range(n_tokens)]
-    return Sample(agent="A", role="X", episode_id="e" * 32, group_id="g" * 16, group_size=8,
+    return Sample(agent="A", role="X", episode_id="e" * 32, group_id="g" * 16, group_samples=8,
                   tokens=[rng.randrange(300) for _ in range(n_tokens)], loss_mask=mask,
                   rollout_logprobs=[-rng.random() if m else 0.0 for m in mask], reward=1.0,
-                  turn_weight_versions=[3, 3, 4], engines=["A-0"] * 3, reply_ids=["r" * 32] * 3,
+                  weight_versions=[3, 3, 4], engines=["A-0"] * 3, reply_ids=["r" * 32] * 3,
                   ).model_dump(mode="python")
 
 

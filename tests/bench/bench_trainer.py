@@ -41,9 +41,9 @@ def game_view(tokenizer, seed: int, group: int) -> Sample:  # type: ignore[no-un
             mask += [0] * len(prompt) + [1] * len(out) + [0] * len(closing)
         result = asyncio.run(env.step(role, reply))
         done, rewards = result.done, result.rewards
-    return Sample(agent="A", role="X", episode_id=f"e{seed}", group_id=f"g{group}", group_size=GROUP_SIZE,
+    return Sample(agent="A", role="X", episode_id=f"e{seed}", group_id=f"g{group}", group_samples=GROUP_SIZE,
                   tokens=tokens, loss_mask=mask, rollout_logprobs=[-1.0 * m for m in mask],
-                  reward=rewards.get("X", 0.0), turn_weight_versions=[0])
+                  reward=rewards.get("X", 0.0), weight_versions=[0])
 
 
 def measure(backends: list[str], model_dir: Path, samples: list[Sample], steps: int) -> dict[str, float]:
@@ -59,7 +59,7 @@ def measure(backends: list[str], model_dir: Path, samples: list[Sample], steps: 
     rates: dict[str, list[float]] = {b: [] for b in backends}
     for _ in range(steps):
         for backend, policy in policies.items():
-            policy.version = 0  # keep every sample on-policy, as in the demo's agent A
+            policy.weight_version = 0  # keep every sample on-policy, as in the demo's agent A
             rates[backend].append(policy.train_step(samples)["tokens_per_s"])
     return {f"{b}_tokens_per_s": statistics.median(r) for b, r in rates.items()}
 

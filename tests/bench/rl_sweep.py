@@ -71,7 +71,8 @@ def build_samples(results: list[tuple[str, EpisodeResult]]) -> dict[str, list[Sa
     for gid, r in results:
         groups.setdefault(gid, []).append(r)
     for done in groups.values():
-        counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.mask)) for a in AGENTS}
+        counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
+                  for a in AGENTS}
         for r in done:
             for sample in r.samples(counts):
                 out[sample.agent].append(sample)
@@ -117,7 +118,7 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         for name, policy in policies.items():
             metrics[name] = policy.train_step(samples[name])
             path, _ = policy.save(weights / name)
-            await players.engines[name].update_weights(str(path), policy.version)
+            await players.engines[name].update_weights(str(path), policy.weight_version)
         t_step = time.perf_counter() - t0
         step_times.append(t_step)
         a_x = [r.rewards.get("X", 0.0) for _, r in results if r.roles["X"] == AgentPlayer(agent="A")]

@@ -30,7 +30,7 @@ def reply_tokens(transcript: list[dict[str, Any]], views: dict[str, Any]) -> dic
     length (``tokens``), so the spans are cut back apart in order."""
     out: dict[str, Any] = {}
     for role, view in views.items():
-        positions = [i for i, m in enumerate(view.mask) if m]
+        positions = [i for i, m in enumerate(view.loss_mask) if m]
         turns, at = [], 0
         for entry in transcript:
             if entry.get("role") != role or "tokens" not in entry:
@@ -39,7 +39,7 @@ def reply_tokens(transcript: list[dict[str, Any]], views: dict[str, Any]) -> dic
             at += len(span)
             turns.append({"turn": entry.get("turn"), "weight_version": entry.get("weight_version"),
                           "ids": [view.tokens[i] for i in span],
-                          "logprobs": [round(float(view.logprobs[i]), 5) for i in span]})
+                          "logprobs": [round(float(view.rollout_logprobs[i]), 5) for i in span]})
         out[role] = {"agent": str(view.player), "player": dict(view.player), "turns": turns}
     return out
 

@@ -1,7 +1,7 @@
 """SFT (cross-entropy on generated tokens) and DPO (chosen/rejected pairs from one group).
 
 DPO pairing lives here, in the shared algorithm, not in the buffer: the buffer only
-ever releases complete groups (all ``group_size`` samples of a group in one batch),
+ever releases complete groups (all ``Sample.group_samples`` samples of a group in one batch),
 which is all pairing needs, and doing it here gives both backends the same pairs.
 Per group: chosen = the highest reward, rejected = the lowest (first by sample id on
 ties); a group whose rewards are all equal gives no pair. Rows are ordered chosen,

@@ -1,7 +1,7 @@
 """The megatron-core training backend: ``MegatronPolicy(acfg, temperature)``.
 
 Same contract as the torch backend (``services.training.backends``): ``train_step``,
-``save`` (an HF directory the engines load), ``save_state``/``load_state``, ``version``.
+``save`` (an HF directory the engines load), ``save_state``/``load_state``, ``weight_version``.
 The maths is the shared algorithm registry; this module owns the megatron side: the
 GPTModel (tensor/pipeline parallel), forward and backward through megatron's pipeline
 schedule, data-parallel gradient averaging, grad-norm clipping over the model-parallel
@@ -64,7 +64,7 @@ def write_hf_dir(tmp: Path, tensors: dict[str, torch.Tensor], hf_config: Any, to
 
 
 class MegatronPolicy(TrainingStep):
-    """The megatron backend; ``version`` is the weight version its weights are (0 = the start model)."""
+    """The megatron backend; ``weight_version`` is the weight version its weights are (0 = the start model)."""
 
     backend = "megatron"
 
@@ -80,7 +80,7 @@ class MegatronPolicy(TrainingStep):
         self.rank = dist.get_rank()
         self.follower = self.rank != 0
         self.algo = make_algorithm(self.cfg)
-        self.version = 0
+        self.weight_version = 0
         self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         hf_state = load_hf_state(acfg.model_path)
@@ -306,8 +306,8 @@ class MegatronPolicy(TrainingStep):
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         get_cuda_rng_tracker().set_states(state["tracker_rng"])
-        self.version = int(state["version"])
-        return self.version
+        self.weight_version = int(state["version"])
+        return self.weight_version
 
     # -- rank 0 drives the other ranks ---------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:

@@ -6,7 +6,7 @@ const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"
 // train_step keys shown first; any other numeric key follows
 const PREFERRED = ["reward_mean", "pg_loss", "loss", "kl", "entropy", "clip_frac", "grad_norm", "tis_weight_mean",
   "tis_clipped_frac", "tokens_per_s", "lr"];
-const SKIP = new Set(["version", "time", "samples", "samples_trained", "optimizer_steps", "tokens", "train_seconds"]);
+const SKIP = new Set(["weight_version", "time", "samples", "samples_trained", "optimizer_steps", "tokens", "train_seconds"]);
 
 // uPlot's own range fails ("Invalid array length") on a nearly flat series (e.g. 1.0 and 1.0000005): pad it
 function yRange(u, min, max) {
@@ -99,7 +99,7 @@ const Charts = {
       const per = {};
       for (const a of this.agents) {
         const steps = ((metrics[a] || {}).train_steps || []).filter(s => typeof s[k] === "number");
-        const xs = steps.map((s, i) => xAxis === "time" ? +((s.time || 0) - t0).toFixed(1) : (s.version || i + 1));
+        const xs = steps.map((s, i) => xAxis === "time" ? +((s.time || 0) - t0).toFixed(1) : (s.weight_version || i + 1));
         per[a] = [xs, steps.map(s => s[k])];
       }
       this.set("train-" + k + "-" + xAxis, k, xAxis === "time" ? "seconds" : "step", per);
