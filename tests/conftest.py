@@ -1,22 +1,39 @@
-"""Shared fixtures: a real Redis-protocol server (embedded Valkey) on a free port.
+"""Shared fixtures: a real Redis-protocol server (embedded Valkey) on a free port, and the demo models.
 
-The suite never touches a Redis that may already run on 6379.
+The suite never touches a Redis that may already run on 6379. Torch runs one thread per process, in
+the test process and in every process a test starts (``OMP_NUM_THREADS``), as ``tandem up`` already
+does for its services (services/launcher/processes.py; docs/architecture.md §9): on the 2-core machines
+the suite runs on, the tiny models gain nothing from a second thread, and while other processes hold
+the cores torch's threads spin-wait for each other (the warm start took 14x the CPU time with two).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import shutil
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import redis
 
-from services.common.embedded_redis import EmbeddedRedis
-
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, here or in any child process
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+from services.common.embedded_redis import EmbeddedRedis  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+REPO = Path(__file__).resolve().parents[1]
+# what the warm start's weights depend on: its code, the code it plays with, and the library versions
+WARM_SOURCES = ("services/demo", "services/envs", "services/play", "services/inference", "services/contracts")
+WARM_ARGS = {"seed": 0, "games": 600, "epochs": 4}
 
 
 @pytest.fixture(scope="session")
@@ -43,9 +60,35 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+def _warm_key() -> str:
+    digest = hashlib.sha256(repr((WARM_ARGS, torch.__version__, version("transformers"))).encode())
+    for path in sorted(p for d in WARM_SOURCES for p in (REPO / d).rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def copy_warm_model(cache: Path, dest: Path) -> Path:
+    """Copy the warm-started demo model cached in ``cache`` to ``dest``, made there first if no run has made
+    it from this code (and the copies of older code removed).
+
+    Keyed by a hash of ``WARM_SOURCES``, the arguments and the torch and transformers versions (the warm
+    start is deterministic); made and copied under a file lock, so concurrent sessions wait for one another.
+    """
+    cache.mkdir(parents=True, exist_ok=True)
+    model = cache / f"warm-{_warm_key()}"
+    with open(cache / "warm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (model / "warmstart.json").exists():
+            from services.demo.warmstart import warmstart
+
+            for old in cache.glob("warm-*"):
+                shutil.rmtree(old)
+            warmstart(cache / f"{model.name}.partial", **WARM_ARGS)
+            (cache / f"{model.name}.partial").rename(model)
+        return Path(shutil.copytree(model, dest))
+
+
 @pytest.fixture(scope="session")
 def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small warm-started demo model (legal tic-tac-toe moves), made once per session."""
-    from services.demo.warmstart import warmstart
-
-    return Path(warmstart(tmp_path_factory.mktemp("warm") / "model", seed=0, games=600, epochs=4))
+    """A small warm-started demo model (legal tic-tac-toe moves), cached in build/ across runs."""
+    return copy_warm_model(REPO / "build" / "test-cache", tmp_path_factory.mktemp("warm") / "model")
