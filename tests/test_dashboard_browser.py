@@ -83,9 +83,12 @@ def live(tmp_path_factory, warm_model_dir):
         started = time.time()
         driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
         setup_s = time.time() - started
-        driver.get(api + "/")  # the page is open; its reads need the token (api.token guards reads too)
+        # the token goes into the origin's storage from a page that reads nothing (api.token guards the
+        # dashboard's reads too), so the dashboard's first poll already carries it
+        driver.get(api + "/health")
         driver.execute_script("localStorage.setItem('tandem-token', arguments[0])", TOKEN)
-        driver.refresh()
+        driver.get_log("browser")  # drained: that page's own favicon 404 is not the dashboard's
+        driver.get(api + "/")
         yield {"driver": driver, "api": api, "proc": proc, "dir": d, "model": warm_model_dir,
                "browser_start_s": setup_s}
     finally:
