@@ -16,6 +16,8 @@ BUILTINS: dict[str, str] = {
     "answer_then_answer": "services.envs.answer_then_answer:AnswerThenAnswer",
     "debate": "services.envs.debate:Debate",
     "doctor_patient": "services.envs.doctor_patient:DoctorPatient",
+    "support_desk": "services.envs.support_desk:SupportDesk",
+    "explore_exploit": "services.envs.explore_exploit:ExploreExploit",
     "math": "services.envs.math_tasks:Math",
     "math_critic": "services.envs.math_tasks:MathCritic",
     "code": "services.envs.code_tasks:Code",
