@@ -36,7 +36,7 @@ RUN = "faults"
 TOTAL_STEPS = 30
 AGENTS = ("A", "B")
 KINDS = ("coordinator", "rollout", "engine", "buffer", "trainer", "redis")
-SEED = 11
+SEED = int(os.environ.get("TANDEM_FAULT_SEED", "11"))  # the kill order, agents and moments
 
 
 def write_config(d: Path, model: Path) -> Path:
@@ -82,16 +82,17 @@ def descendants(pid: int) -> dict[int, str]:
 def victim(launcher: int, kind: str, agent: str) -> int:
     """The pid to SIGKILL for ``kind`` (of ``agent`` where it has one)."""
     procs = descendants(launcher)
-    match = {"coordinator": ("services.coordinator",), "redis": ("-",),
-             "engine": ("services.engine", f"--engine-id {agent}-0"),
-             "rollout": ("services.rollout", f"--agent {agent}"), "buffer": ("services.buffer", f"--agent {agent}"),
-             "trainer": ("services.trainer", f"--agent {agent}")}[kind]
-    for pid, cmd in procs.items():
-        if kind == "redis" and ("valkey" in cmd or "redis-server" in cmd):
-            return pid
-        if kind != "redis" and all(m in cmd for m in match):
-            return pid
-    raise AssertionError(f"no {kind} process of {agent} under the launcher: {procs}")
+    if kind == "redis":
+        wanted = lambda cmd: "valkey" in cmd or "redis-server" in cmd  # noqa: E731
+    else:
+        parts = {"coordinator": ("services.coordinator",), "engine": ("services.engine", f"--engine-id {agent}-0"),
+                 "rollout": ("services.rollout", f"--agent {agent}"),
+                 "buffer": ("services.buffer", f"--agent {agent}"),
+                 "trainer": ("services.trainer", f"--agent {agent}")}[kind]
+        wanted = lambda cmd: all(p in cmd for p in parts)  # noqa: E731
+    found = [pid for pid, cmd in procs.items() if wanted(cmd)]
+    assert found, f"no {kind} process of {agent} under the launcher: {procs}"
+    return found[0]
 
 
 def redis_url(launcher: int) -> str:
