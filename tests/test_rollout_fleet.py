@@ -283,6 +283,30 @@ async def test_a_dead_router_is_restarted_and_gets_its_engines_back(tiny_model_d
         await fleet.close()
 
 
+@pytest.mark.slow
+async def test_an_engine_killed_under_a_weights_update_gets_the_version_when_it_rejoins(tiny_model_dir: Path) -> None:
+    """SIGKILL the only engine as a weights update reaches it: the update does not fail (its redelivery would
+    wait for the bus's reclaim, stalling an on-policy agent); it returns once the restarted engine rejoined on
+    that version (found by the fault-injection test, issue 11)."""
+    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=1), interval=0.3)
+    stop = asyncio.Event()
+    try:
+        await fleet.start()
+        watcher = asyncio.create_task(fleet.supervise(stop))
+        engine = fleet.engines[0]
+        assert engine.proc is not None
+        os.kill(engine.proc.pid, signal.SIGKILL)  # the update's POST then breaks, or finds no engine
+        assert await fleet.load_weights(str(tiny_model_dir), 3, rejoin_timeout=300) == [engine.url]
+        assert fleet.latest == (str(tiny_model_dir), 3) and engine.restarts == 1 and engine.weight_version == 3
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{engine.url}/get_model_info")).json()["weight_version"] == "3"
+        stop.set()
+        await watcher
+    finally:
+        stop.set()
+        await fleet.close()
+
+
 async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str) -> None:
     from services.coordinator.scheduler import Coordinator
 

@@ -158,9 +158,10 @@ class Coordinator:
         self.episodes[result.episode_id] = rec
         if len(self.episodes) > EPISODE_CACHE:
             self.episodes.pop(next(iter(self.episodes)))
-        await self.bus.redis.hset(self.bus.streams.episodes(), result.episode_id, json.dumps(rec))
-        await self.run_record.count_episode()
-        await save_tokens(self.bus, result)  # each reply's tokens and logprobs, for the dashboard
+        retry, key = self.bus.retrying, self.bus.streams.episodes()  # a Redis restart must not fail the group
+        await retry("recording an episode", lambda: self.bus.redis.hset(key, result.episode_id, json.dumps(rec)))
+        await retry("counting an episode", self.run_record.count_episode)
+        await retry("saving an episode's tokens", lambda: save_tokens(self.bus, result))  # for the dashboard
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
 

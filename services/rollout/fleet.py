@@ -119,15 +119,44 @@ class EngineFleet:
             with contextlib.suppress(KeyError, RuntimeError, TimeoutError, httpx.HTTPError):
                 await remove_worker(self.router_url, e.url, timeout=10, token=self.token)
 
-    async def load_weights(self, path: str, version: int) -> list[str]:
-        """Load ``path`` as ``version`` on every registered engine; a restarting one gets it on rejoin."""
+    async def load_weights(self, path: str, version: int, rejoin_timeout: float | None = None) -> list[str]:
+        """Load ``path`` as ``version`` on every registered engine; a restarting one gets it on rejoin.
+
+        An engine that dies under the update (it exited, or the connection broke) is deregistered and left to
+        ``supervise`` to restart: it loads this version when it rejoins. When that (or a restart already under
+        way) leaves no engine with the version, wait up to ``rejoin_timeout`` (default ``start_timeout``) for
+        one to rejoin rather than fail the update (its redelivery would wait for the bus's reclaim, and an
+        on-policy agent stall meanwhile). An engine that answers but refuses the weights fails the update."""
         async with self._lock:
             live = [e for e in self.engines if e.registered]
-            await asyncio.gather(*(self._client.update_weights(e.url, path, version) for e in live))
-            self.latest = (path, version)  # only once every live engine loaded it (a failure raised above)
-            for e in live:
+            results = await asyncio.gather(*(self._client.update_weights(e.url, path, version) for e in live),
+                                           return_exceptions=True)
+            lost = [e for e, r in zip(live, results, strict=True) if isinstance(r, BaseException) and _died(e, r)]
+            refused = [r for e, r in zip(live, results, strict=True) if isinstance(r, BaseException) and e not in lost]
+            if refused:
+                raise refused[0]
+            self.latest = (path, version)  # only once every live engine loaded it (or died trying)
+            loaded = [e for e in live if e not in lost]
+            for e in loaded:
                 e.weight_version = version
-            return [e.url for e in live]
+            for e in lost:
+                log.warning("engine %s died while loading version %d: it loads it when it rejoins", e.url, version)
+                await self._deregister(e)
+                if e.alive():
+                    e.proc.kill()  # type: ignore[union-attr]
+        if loaded:
+            return [e.url for e in loaded]
+        return await self._rejoined(version, self.start_timeout if rejoin_timeout is None else rejoin_timeout)
+
+    async def _rejoined(self, version: int, wait_s: float) -> list[str]:
+        """The engines registered on ``version`` (or later) once one is, or none after ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            back = [e.url for e in self.engines if e.registered and e.weight_version >= version]
+            if back:
+                return back
+            await asyncio.sleep(0.25)
+        return []
 
     async def supervise(self, stop: asyncio.Event) -> None:
         restarting: dict[int, asyncio.Task[None]] = {}
@@ -230,3 +259,9 @@ class EngineFleet:
                 await p.wait()
         await self._http.aclose()
         await self._client.aclose()
+
+
+def _died(e: ManagedEngine, exc: BaseException) -> bool:
+    """Whether a failed call to engine ``e`` failed because the engine is gone (exited, or its connection broke:
+    an httpx transport error), as opposed to an answer refusing it."""
+    return not e.alive() or isinstance(exc.__cause__, httpx.TransportError)

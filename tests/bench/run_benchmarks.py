@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_engine",
               "trainer": "tests.bench.bench_trainer",
-              "bus": "tests.bench.bench_bus", "tinker_api": "tests.bench.bench_tinker"}
+              "bus": "tests.bench.bench_bus", "tinker_api": "tests.bench.bench_tinker",
+              "durability": "tests.bench.durability_cost"}
 
 
 def main() -> None:
