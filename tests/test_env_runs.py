@@ -30,7 +30,9 @@ def _runs_on_cpu(path: Path) -> bool:
     return all(a.get("engine", "embedded") == "embedded" for a in yaml.safe_load(path.read_text())["agents"].values())
 
 
-CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if _runs_on_cpu(p))
+# configs a deeper end-to-end test already runs through tandem up (the suite's time is spent once)
+RUN_ELSEWHERE = {"support_desk": "tests/test_three_agents_e2e.py"}
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE)
 
 
 def tandem_up(config: Path, tmp: Path, model: Path, extra: dict[str, str] | None = None,
