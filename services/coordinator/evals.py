@@ -5,7 +5,8 @@ through services/play/evaluation.py, the code ``tandem eval`` runs, and appends 
 run's evaluations::
 
     {"label": "start" | "step-4" | "end" | "on-demand", "time": ..., "versions": {agent: version},
-     "opponents": [label, ...], "scores": {agent: headline score}, "details": {agent: headline report},
+     "checkpoints": {agent: weights directory}, "opponents": [label, ...],
+     "scores": {agent: headline score}, "details": {agent: headline report},
      "vs": {agent: {opponent: report}}}
 
 The headline is the first opponent (``eval_start`` / ``eval_end``); a report is ``score``'s: score
@@ -67,7 +68,9 @@ async def evaluate_all(coord: Coordinator, label: str, players: dict[str, Player
                        strict=True))
     opponents = [opponent_label(o) for o in coord.cfg.environment.eval.opponent_list()]
     headline = {a: r[opponents[0]] for a, r in reports.items()}
-    coord.evals.append({"label": label, "time": time.time(), "versions": versions, "opponents": opponents,
+    checkpoints = {a: coord.version_paths.get(a, {}).get(v) for a, v in versions.items()}
+    coord.evals.append({"label": label, "time": time.time(), "versions": versions, "checkpoints": checkpoints,
+                        "opponents": opponents,
                         "scores": {a: r["score"] for a, r in headline.items()}, "details": headline,
                         "vs": reports})
     log.info("eval %s: %s", label, {f"{a} vs {o}": f"{r['score']} ± {r['score_se']} (w/d/l {r['wins']}/"
