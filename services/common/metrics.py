@@ -8,7 +8,10 @@ Two kinds of registry:
 * **per run** (``RunMetrics``, served by the coordinator's control API at
   ``GET /metrics``): the series an operator needs per agent, derived at each
   scrape from the coordinator's run state (which folds in every event it
-  receives), its episode records, its evaluations and the dead-letter stream.
+  receives), its episode records, its evaluations and the dead-letter stream:
+  among them the illegal or format-failure rate of the agent's training
+  episodes and, per eval opponent, the latest score, its standard error and
+  illegal rate.
 
 Values read off an event's ``data`` are read in one place, ``event_values``.
 """
@@ -74,6 +77,7 @@ def exposition(registry: CollectorRegistry = REGISTRY, accept: str | None = None
 TRAIN_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATE_WINDOW_S = 60.0
 RECENT_GROUPS = 16
+RECENT_PLAY = 64  # as coordinator/train_play.py's RECENT_EPISODES (common may not import the coordinator)
 SERVICE_STARTS = "service_starts"  # the run's hash of service -> starts (Streams.key(SERVICE_STARTS))
 
 
@@ -109,6 +113,7 @@ class AgentView(Protocol):
     train_steps: list[dict[str, Any]]
     group_rewards: list[tuple[float, float]]
     rollout: dict[str, Any]
+    train_play: Mapping[int, Any]  # weight version -> PlayCounts (coordinator/train_play.py)
 
     def blocked_by_staleness(self) -> bool: ...
 
@@ -245,6 +250,11 @@ class RunMetrics(Collector):
             for k, v in values.items():
                 if v is not None:
                     gauges[k].add_metric([name], float(v))
+            play = _play_totals(a.train_play)
+            if play["episodes"]:
+                gauges["train_illegal_rate"].add_metric([name], play["recent_invalid"] / play["recent"])
+            counters["train_episodes"].add_metric([name], play["episodes"])
+            counters["train_illegal_episodes"].add_metric([name], play["invalid_episodes"])
             counters["train_steps"].add_metric([name], len(a.train_steps))
             counters["generated_tokens"].add_metric([name], self._tokens.get(name, 0))
             groups.add_metric([name, "kept"], a.kept_groups)
@@ -267,6 +277,21 @@ class RunMetrics(Collector):
         for (agent, label), s in sorted(latest.items()):
             score.add_metric([agent, label], s)
         yield score
+        vs = {k: GaugeMetricFamily(f"tandem_eval_{k}", doc, labels=["agent", "opponent"]) for k, doc in (
+            ("opponent_score", "The latest evaluation's score (0-1) against each opponent"),
+            ("opponent_score_se", "Its standard error"),
+            ("opponent_illegal_rate", "Its fraction of episodes with an illegal or malformed reply"))}
+        last: dict[tuple[str, str], dict[str, Any]] = {}
+        for ev in self._evals:
+            for agent, reports in (ev.get("vs") or {}).items():
+                for opponent, r in reports.items():
+                    last[(agent, str(opponent))] = r
+        for (agent, opponent), r in sorted(last.items()):
+            for key, name in (("opponent_score", "score"), ("opponent_score_se", "score_se"),
+                              ("opponent_illegal_rate", "illegal_rate")):
+                if isinstance(r.get(name), int | float):
+                    vs[key].add_metric([agent, opponent], float(r[name]))
+        yield from vs.values()
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         return exposition(self.registry, accept)
@@ -286,11 +311,28 @@ GAUGES = {
     "train_stale_fraction": "Fraction of the last batch older than the trainer's weights",
     "train_tokens_per_second": "Tokens per second of the last train step",
     "generation_tokens_per_second": f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s of scrapes",
+    "train_illegal_rate": f"Fraction of the agent's newest training episodes (at least {RECENT_PLAY}, by weight "
+                          "version) with an illegal or malformed reply of its own",
 }
 COUNTERS = {
     "train_steps": "Train steps the agent's trainer has reported",
     "generated_tokens": "Tokens generated for the agent in the episodes the coordinator recorded",
+    "train_episodes": "Training episodes the agent played",
+    "train_illegal_episodes": "Training episodes in which the agent's reply was illegal or malformed",
 }
+
+
+def _play_totals(by_version: Mapping[int, Any]) -> dict[str, int]:
+    """Episodes and illegal ones in all, and in the newest versions' (at least RECENT_PLAY) episodes."""
+    out = {"episodes": 0, "invalid_episodes": 0, "recent": 0, "recent_invalid": 0}
+    for v in sorted(by_version, reverse=True):
+        c = by_version[v]
+        out["episodes"] += c.episodes
+        out["invalid_episodes"] += c.invalid_episodes
+        if out["recent"] < RECENT_PLAY:
+            out["recent"] += c.episodes
+            out["recent_invalid"] += c.invalid_episodes
+    return out
 
 
 def _run_series(state: RunView) -> Iterator[Metric]:

@@ -170,11 +170,32 @@ class AgentConfig(Strict):
         return self
 
 
+Opponent = str | dict[str, str]
+
+
 class EvalConfig(Strict):
-    episodes: int = Field(64, ge=0)
-    opponent: str | dict[str, str] = Field("random", description="the env's scripted player for the other "
-                                            "roles, or one per role ({role: player})")
+    """Held-out evaluation against the env's scripted players (docs/architecture.md §8): at the start and end
+    of the run, every ``every_n_steps`` training steps, and by ``tandem eval``. ``opponent`` (one) and
+    ``opponents`` (several) are both accepted; ``opponents()`` is the list either way."""
+
+    episodes: int = Field(64, ge=0, description="episodes per agent and opponent")
+    opponent: Opponent = Field("random", description="the env's scripted player for the other roles, or one "
+                               "per role ({role: player})")
+    opponents: list[Opponent] = Field(default_factory=list, description="several opponents, each reported on "
+                                      "its own (the first is the headline score: eval_start/eval_end)")
+    every_n_steps: int = Field(0, ge=0, description="also evaluate each agent's checkpoint of every n-th "
+                               "weight version during the run (0: only at start and end)")
     temperature: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_list(self) -> EvalConfig:
+        if self.opponents and "opponent" in self.model_fields_set:
+            raise ValueError("give either opponent or opponents, not both")
+        return self
+
+    def opponent_list(self) -> list[Opponent]:
+        """Every opponent, the headline first."""
+        return list(self.opponents) or [self.opponent]
 
 
 class EnvironmentConfig(Strict):

@@ -26,6 +26,7 @@ from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.dashboard.routes import episode_record
 from services.coordinator.errors import responses
 from services.coordinator.scheduler import Coordinator
+from services.coordinator.train_play import curve
 
 
 def create_app(coord: Coordinator) -> FastAPI:
@@ -109,7 +110,8 @@ def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
             raise HTTPException(404, f"no agent {agent!r}; agents: {', '.join(coord.state.agents)}")
         names = [agent] if agent else list(coord.state.agents)
         return {n: {"train_steps": coord.state.agents[n].train_steps,
-                    "group_rewards": coord.state.agents[n].group_rewards} for n in names}
+                    "group_rewards": coord.state.agents[n].group_rewards,
+                    "train_play": curve(coord.state.agents[n].train_play)} for n in names}
 
 
 def _command_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:

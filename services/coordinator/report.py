@@ -1,4 +1,12 @@
-"""End-of-run report: ``runs/<run>/summary.json``, ``metrics.json`` and a reward plot."""
+"""End-of-run report (docs/architecture.md §10): ``runs/<run>/summary.json``, ``metrics.json`` and a plot.
+
+``summary.json`` holds per agent the training figures, the illegal or format-failure rate of its
+training episodes (overall and per weight version, train_play.py) and ``eval_curves``: per
+opponent, one point per evaluation (start, every n steps, end) with the score, its standard
+error, wins/draws/losses and the illegal rate (evals.py). ``rewards.png`` plots the training
+reward, the training illegal rate, the eval scores (± standard error) and the train-step metrics,
+all against the training step (weight version).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from services.coordinator.state import RunState
+from services.coordinator.train_play import curve, totals
+
+CURVE_KEYS = ("score", "score_se", "wins", "draws", "losses", "episodes", "illegal_rate", "illegal_rate_se",
+              "illegal_reply_rate")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -20,10 +32,29 @@ def quarters(values: list[float]) -> tuple[float | None, float | None]:
     return _mean(values[:q]), _mean(values[-q:])
 
 
+def eval_curves(evals: list[dict[str, Any]], agent: str) -> dict[str, list[dict[str, Any]]]:
+    """opponent -> one point per evaluation of ``agent`` (by weight version): label, step and the report's
+    figures. Entries from before several opponents (only ``details``) count under their opponent."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for e in evals:
+        vs = (e.get("vs") or {}).get(agent)
+        if vs is None and agent in (e.get("details") or {}):
+            detail = e["details"][agent]
+            opponent = detail.get("opponent", "random")
+            vs = {opponent if isinstance(opponent, str) else json.dumps(opponent): detail}
+        for opponent, r in (vs or {}).items():
+            point = {"label": e.get("label"), "step": (e.get("versions") or {}).get(agent)}
+            out.setdefault(opponent, []).append(point | {k: r.get(k) for k in CURVE_KEYS})
+    for points in out.values():
+        points.sort(key=lambda p: -1 if p["step"] is None else p["step"])
+    return out
+
+
 def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any]:
     agents = {}
     for name, a in state.agents.items():
         first, last = quarters([r for _, r in a.group_rewards])
+        play = curve(a.train_play)
         agents[name] = {
             "weight_versions": len(a.loaded_weight_versions),
             "last_weight_version": a.loaded_weight_version,
@@ -32,6 +63,10 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
             "reward_last_quarter": last,
             "eval_start": a.eval_start,
             "eval_end": a.eval_end,
+            "eval_curves": eval_curves(evals, name),
+            "train_illegal_rate": totals(a.train_play).report()["illegal_rate"],
+            "train_illegal_rate_last": play[-1]["illegal_rate"] if play else None,
+            "train_play": play,
             "groups_kept": a.kept_groups,
             "groups_dropped": a.dropped_groups,
             "groups_abandoned": a.abandoned_groups,
@@ -47,40 +82,49 @@ def write_report(state: RunState, evals: list[dict[str, Any]], out_dir: Path, wa
     summary = build_summary(state, evals)
     summary["wall_s"] = round(wall_s, 1)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    metrics = {name: {"train_steps": a.train_steps, "group_rewards": a.group_rewards}
-               for name, a in state.agents.items()}
+    metrics = {name: {"train_steps": a.train_steps, "group_rewards": a.group_rewards,
+                      "train_play": curve(a.train_play)} for name, a in state.agents.items()}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    plot(state, out_dir / "rewards.png")
+    plot(state, summary, out_dir / "rewards.png")
     return out_dir / "summary.json"
 
 
-def plot(state: RunState, path: Path) -> None:
+def plot(state: RunState, summary: dict[str, Any], path: Path) -> None:
+    """Four panels, each against the training step: reward, illegal rate, eval scores, train-step metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    t0 = state.started_at
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    (ax_r, ax_i), (ax_e, ax_m) = axes
     for name, a in state.agents.items():
-        if a.group_rewards:
-            xs = [t - t0 for t, _ in a.group_rewards]
-            ys = [r for _, r in a.group_rewards]
-            k = max(1, len(ys) // 10)
-            smooth = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
-            axes[0].plot(xs, smooth, label=f"agent {name}")
+        play = summary["agents"][name]["train_play"]
+        if play:
+            xs = [p["weight_version"] for p in play]
+            ax_r.plot(xs, [p["mean_reward"] for p in play], marker=".", label=f"{name} (episodes)")
+            ax_i.plot(xs, [p["illegal_rate"] for p in play], marker=".", label=f"{name} illegal / format failure")
         steps = a.train_steps
-        axes[1].plot([s.get("weight_version", i + 1) for i, s in enumerate(steps)],
-                     [s.get("pg_loss", 0.0) for s in steps], label=f"{name} pg loss")
-        axes[1].plot([s.get("weight_version", i + 1) for i, s in enumerate(steps)],
-                     [s.get("clip_frac", 0.0) for s in steps], "--", label=f"{name} clip frac")
-        if a.eval_start is not None and a.eval_end is not None:
-            axes[2].bar([f"{name} start", f"{name} end"], [a.eval_start, a.eval_end])
-    axes[0].set(title="training reward per group (smoothed)", xlabel="seconds", ylabel="reward")
-    axes[1].set(title="train-step metrics", xlabel="weight version")
-    axes[2].set(title="eval vs scripted opponent (score)", ylim=(0, 1))
-    for ax in axes[:2]:
-        ax.legend()
+        versions = [s.get("weight_version", i + 1) for i, s in enumerate(steps)]
+        if not play and steps:
+            ax_r.plot(versions, [s.get("reward_mean", 0.0) for s in steps], label=f"{name} (trained batch)")
+        ax_m.plot(versions, [s.get("pg_loss", 0.0) for s in steps], label=f"{name} pg loss")
+        ax_m.plot(versions, [s.get("clip_frac", 0.0) for s in steps], "--", label=f"{name} clip frac")
+        for opponent, points in summary["agents"][name]["eval_curves"].items():
+            pts = [p for p in points if p["score"] is not None and p["step"] is not None]
+            if pts:
+                ax_e.errorbar([p["step"] for p in pts], [p["score"] for p in pts],
+                              yerr=[p["score_se"] or 0.0 for p in pts], marker="o", capsize=3,
+                              label=f"{name} vs {opponent}")
+    ax_r.set(title="training reward per episode", xlabel="training step (weight version)", ylabel="mean reward")
+    ax_i.set(title="training episodes with an illegal / malformed reply", xlabel="training step (weight version)",
+             ylabel="fraction", ylim=(0, 1))
+    ax_e.set(title="held-out eval score (± standard error)", xlabel="training step (weight version)",
+             ylabel="score (win 1, draw 1/2)", ylim=(0, 1))
+    ax_m.set(title="train-step metrics", xlabel="training step (weight version)")
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

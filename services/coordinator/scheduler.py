@@ -2,9 +2,10 @@
 
 One handler per stream: ``on_reply`` (replies), ``on_event`` (events), ``on_control``
 (control). Main loop (``Coordinator.run``): evaluate every agent against the env's
-scripted opponent; launch GRPO groups while the staleness gate allows (see
-state.py) and the run is not paused; when every agent has loaded its last
-version, evaluate again, write the report and tell all services to stop.
+scripted opponents (evals.py); launch GRPO groups while the staleness gate allows (see
+state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them;
+when every agent has loaded its last version, evaluate again, write the report and tell
+all services to stop.
 
 Restartable at any moment: ``restore`` rebuilds the run state at start from Redis
 (record.py: flags, evaluations, versions from their owners; ledger.py: every group).
@@ -27,6 +28,7 @@ from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
+from services.coordinator import evals, train_play
 from services.coordinator.dashboard.transcripts import save_tokens
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
@@ -34,7 +36,6 @@ from services.coordinator.report import write_report
 from services.coordinator.state import RunState, finite
 from services.envs.registry import check_environment_config
 from services.play.episode import EpisodeResult, play_episode
-from services.play.evaluation import eval_roles, evaluate_player
 from services.play.local import LocalPlayers, context_length
 
 log = logging.getLogger("tandem.coordinator")
@@ -57,6 +58,7 @@ class Coordinator:
         self.context: dict[str, int] = {a: context_length(c.model_path) for a, c in cfg.agents.items()}
         # opponent pool: each agent's weight versions as they load (version 0 is the start model)
         self.pool_paths: dict[str, list[str]] = {a: [c.model_path] for a, c in cfg.agents.items()}
+        self.version_paths: dict[str, dict[int, str]] = {a: {0: c.model_path} for a, c in cfg.agents.items()}
         self.pool_rng = random.Random(cfg.run.seed)
         self.reply_stream = bus.streams.replies(name)
         self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
@@ -71,6 +73,7 @@ class Coordinator:
         self.ledger = GroupLedger(bus, list(self.state.agents))
         self.run_record = RunRecord(bus)
         self.evals_saved = 0  # evaluation reports already in the run record
+        self.k_train_play = bus.streams.key("coord:train_play")
 
     async def restore(self) -> None:
         """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
@@ -78,6 +81,11 @@ class Coordinator:
         self.evals_saved = len(self.evals)
         for agent, loaded in paths.items():
             self.pool_paths[agent] += [p for p in loaded if p not in self.pool_paths[agent]]
+            versions = await self.run_record.versions(agent)
+            self.version_paths[agent].update({r["version"]: r["path"] for r in versions.loaded_records})
+        for agent, counts in (await train_play.load(self.bus.redis, self.k_train_play)).items():
+            if agent in self.state.agents:
+                self.state.agents[agent].train_play = counts
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -108,6 +116,7 @@ class Coordinator:
         if ev.kind == "weights_loaded" and ev.agent in self.pool_paths and ev.path:
             if ev.path not in self.pool_paths[ev.agent]:
                 self.pool_paths[ev.agent].append(ev.path)
+            self.version_paths[ev.agent][ev.weight_version] = ev.path
         if ev.kind == "rollout_load" and ev.agent not in self.engines_ready and any(
                 e.healthy for e in ev.engines):
             self.engines_ready.add(ev.agent)  # frozen agents too: they have no AgentState
@@ -164,6 +173,11 @@ class Coordinator:
         await retry("saving an episode's tokens", lambda: save_tokens(self.bus, result))  # for the dashboard
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
+        if result.purpose == "train":  # the agents' illegal / format-failure rate, per version (train_play.py)
+            counts = train_play.episode_counts(result, self.state.agents)
+            for (agent, version), c in counts.items():
+                self.state.agents[agent].train_play.setdefault(version, train_play.PlayCounts()).add(c)
+            await train_play.save(self.bus.redis, self.k_train_play, counts)
 
     async def _play(self, env: Any, group_id: str, roles: dict[str, Player], purpose: str,
                     sampling: dict[Player, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
@@ -303,29 +317,9 @@ class Coordinator:
         return all(a.finished for a in self.state.agents.values())
 
     # --- evaluation ---------------------------------------------------------
-    async def evaluate(self, agent: str) -> dict[str, Any]:
-        env_cfg = self.cfg.environment
-        ev = env_cfg.eval
-
-        async def play(env: Any, gid: str, mapping: dict[str, Player], sampling: dict[Player, SamplingParams],
-                       rng: random.Random) -> EpisodeResult | None:
-            return await self._play(env, f"{gid}-{agent}", mapping, "eval", sampling, rng)
-
-        return await evaluate_player(self.env_cls, env_cfg, AgentPlayer(agent=agent),
-                                     eval_roles(env_cfg, self.env_cls, agent),
-                                     ev.opponent, ev.episodes, self.cfg.agents[agent].sampling, ev.temperature,
-                                     play)
-
     async def evaluate_all(self, label: str) -> dict[str, float | None]:
-        names = list(self.state.agents)
-        reports = await asyncio.gather(*(self.evaluate(a) for a in names))
-        out = {a: r["score"] for a, r in zip(names, reports, strict=True)}
-        self.evals.append({"label": label, "time": time.time(), "scores": out,
-                           "details": dict(zip(names, reports, strict=True)),
-                           "versions": {a: self.state.agents[a].loaded_weight_version for a in names}})
-        log.info("eval %s: %s", label, {a: f"{r['score']} (w/d/l {r['wins']}/{r['draws']}/{r['losses']})"
-                                        for a, r in zip(names, reports, strict=True)})
-        return out
+        """Every training agent against every eval opponent, on its engines now (evals.py)."""
+        return await evals.evaluate_all(self, label)
 
     def sampling_for(self, roles: dict[str, Player]) -> dict[Player, SamplingParams]:
         """Sampling per model player; an in-process past version samples like the agent it came from."""
@@ -354,12 +348,16 @@ class Coordinator:
             for agent, score in (await self.evaluate_all("start")).items():
                 self.state.agents[agent].eval_start = score
             await self.save_evals()
+        periodic = asyncio.create_task(evals.every_n_steps(self))
         await self.training_loop()
         if self.state.stop_requested:
             for task in self.group_tasks:
                 task.cancel()
         if self.group_tasks:
             await asyncio.gather(*self.group_tasks, return_exceptions=True)
+        if self.state.stop_requested:
+            periodic.cancel()
+        await asyncio.gather(periodic, return_exceptions=True)  # the last every-n evaluation, then the end one
         await self.run_record.set(stop_requested=self.state.stop_requested, error=self.state.error)
         if not self.state.stop_requested and self.cfg.environment.eval.episodes and "end" not in done:
             self.state.phase = "eval_end"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.config import TandemConfig
+from services.coordinator.train_play import PlayCounts, recent
 
 
 def finite(data: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +57,7 @@ class AgentState:
     group_status: dict[str, str] = field(default_factory=dict)
     abandon_reasons: dict[str, int] = field(default_factory=dict)  # reason -> groups
     rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout_load event's data
+    train_play: dict[int, PlayCounts] = field(default_factory=dict)  # weight version -> training play (train_play.py)
 
     def resolve_group(self, group_id: str, outcome: str, reason: str = "") -> None:
         """Apply a group's outcome ("kept", "dropped", "abandoned") once; repeats are ignored.
@@ -169,6 +171,7 @@ class RunState:
                 "eval_end": a.eval_end,
                 "max_staleness": a.max_staleness,
                 "skipped_steps": a.skipped_steps,
+                "illegal_rate": recent(a.train_play).report()["illegal_rate"],  # the newest training episodes'
                 "rollout": a.rollout,
             }
         return {

@@ -2,13 +2,16 @@
 
 ``RunLogger`` writes what the coordinator already aggregates from the events stream and its own
 episodes: per agent the train-step metrics (at their weight version), the training reward per group,
-the held-out eval scores, the pipeline (queue depth, in-flight turns, groups kept / dropped / in
-flight, weight version), and every ``logging.text_every``-th episode's transcript as text.
-TensorBoard tags are ``<agent>/<section>/<name>`` (``A/train/pg_loss``, ``A/reward/group``,
-``A/eval/score``, ``A/pipeline/queue_depth``); W&B gets the same keys, each section on its own
-step axis. ``follow`` runs beside the coordinator and hands what is new to ``on_train_step``,
-``on_group_reward``, ``on_eval``, ``on_episode`` and ``on_pipeline`` every ``logging.interval_s``;
-``close`` writes what is left and flushes. The writes run off the event loop.
+the held-out eval scores (per opponent too: score, standard error, illegal rate), the illegal or
+format-failure rate of its training episodes per weight version, the pipeline (queue depth,
+in-flight turns, groups kept / dropped / in flight, weight version), and every
+``logging.text_every``-th episode's transcript as text (docs/architecture.md §10). TensorBoard tags
+are ``<agent>/<section>/<name>`` (``A/train/pg_loss``, ``A/reward/group``, ``A/eval/score``,
+``A/eval_minimax/score_se``, ``A/play/illegal_rate``, ``A/pipeline/queue_depth``); W&B gets the
+same keys, each section on its own step axis. ``follow`` runs beside the coordinator and hands what
+is new to ``on_train_step``, ``on_group_reward``, ``on_eval``, ``on_play``, ``on_episode`` and
+``on_pipeline`` every ``logging.interval_s``; ``close`` writes what is left and flushes. The writes
+run off the event loop.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Batch:
     evals: list[dict[str, Any]] = field(default_factory=list)
     episodes: list[dict[str, Any]] = field(default_factory=list)
     pipeline: dict[str, dict[str, float]] = field(default_factory=dict)
+    play: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)  # agent, version, counts report
     elapsed: int = 0
 
 
@@ -103,10 +107,17 @@ class RunLogger:
                                     name=self.cfg.run.name, config=self.cfg.model_dump(mode="json"),
                                     settings=wandb.Settings(console="off", silent=True))
             for agent in self.cfg.agents:
+                opponents = [f"eval_{o}" for o in self._opponents()]
                 for section, axis in (("train", "weight_version"), ("reward", "group"), ("eval", "weight_version"),
-                                      ("pipeline", "elapsed_s")):
+                                      ("play", "weight_version"), ("pipeline", "elapsed_s"),
+                                      *((o, "weight_version") for o in opponents)):
                     self.wandb.define_metric(f"{agent}/{section}/{axis}")
                     self.wandb.define_metric(f"{agent}/{section}/*", step_metric=f"{agent}/{section}/{axis}")
+
+    def _opponents(self) -> list[str]:
+        from services.play.evaluation import opponent_label
+
+        return [opponent_label(o) for o in self.cfg.environment.eval.opponent_list()]
 
     def _scalars(self, prefix: str, values: dict[str, float], step: int, axis: str) -> None:
         if self.tb is not None:
@@ -135,8 +146,16 @@ class RunLogger:
             values = numeric({k: detail.get(k) for k in ("wins", "draws", "losses", "mean_reward")})
             if isinstance(score, int | float):
                 values["score"] = float(score)
-            self._scalars(f"{agent}/eval", values, int(entry.get("versions", {}).get(agent, 0)),
-                          "weight_version")
+            step = int(entry.get("versions", {}).get(agent, 0))
+            self._scalars(f"{agent}/eval", values, step, "weight_version")
+            for opponent, report in (entry.get("vs") or {}).get(agent, {}).items():
+                self._scalars(f"{agent}/eval_{opponent}", numeric({k: report.get(k) for k in (
+                    "score", "score_se", "wins", "draws", "losses", "illegal_rate")}), step, "weight_version")
+
+    def on_play(self, agent: str, version: int, report: dict[str, Any]) -> None:
+        """The training episodes generated at one weight version: illegal / format-failure rates, reward."""
+        self._scalars(f"{agent}/play", numeric({k: report.get(k) for k in (
+            "illegal_rate", "illegal_reply_rate", "mean_reward", "episodes")}), version, "weight_version")
 
     def on_episode(self, record: dict[str, Any]) -> None:
         """Every ``text_every``-th episode's transcript goes to TensorBoard as text."""
@@ -155,7 +174,7 @@ class RunLogger:
         self.cursors[key] = len(items)
         return list(enumerate(items[start:], start=start + 1))
 
-    def collect(self, coord: Followed) -> Batch:
+    def collect(self, coord: Followed, final: bool = False) -> Batch:
         """What is new in the coordinator's state (run on the event loop: it only copies)."""
         batch = Batch(elapsed=int(time.time() - self.started))
         for name, a in coord.state.agents.items():
@@ -165,6 +184,12 @@ class RunLogger:
             pipe.update(weight_version=a.loaded_weight_version, groups_kept=a.kept_groups,
                         groups_dropped=a.dropped_groups, groups_in_flight=a.in_flight_groups)
             batch.pipeline[name] = pipe
+            done = self.cursors.get(f"play/{name}", -1)  # a version is written once a newer one exists
+            versions = sorted(v for v in a.train_play if v > done)
+            ready = versions if final else versions[:-1]
+            batch.play += [(name, v, a.train_play[v].report()) for v in ready]
+            if ready:
+                self.cursors[f"play/{name}"] = ready[-1]
         batch.evals = [e for _, e in self._new("evals", coord.evals)]
         fresh = coord.state.episodes_done - self.cursors.get("episodes", 0)
         self.cursors["episodes"] = coord.state.episodes_done
@@ -189,6 +214,8 @@ class RunLogger:
             self.on_episode(rec)
         for agent, values in batch.pipeline.items():
             self.on_pipeline(agent, values, batch.elapsed)
+        for agent, version, report in batch.play:
+            self.on_play(agent, version, report)
         if self.tb is not None:
             self.tb.flush()
 
@@ -209,7 +236,7 @@ class RunLogger:
         """Write what is left, then flush and close the writers (idempotent)."""
         if self.closed:
             return
-        batch = self.collect(coord) if coord is not None else None
+        batch = self.collect(coord, final=True) if coord is not None else None
         await asyncio.to_thread(self._finish, batch)
 
     def _finish(self, batch: Batch | None) -> None:

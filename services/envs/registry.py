@@ -87,19 +87,26 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
                 if isinstance(player, Scripted):
                     check_scripted(env_cls, role, player.name,
                                    f"environment.alternate_roles (rotated, roles.{role} = {player})")
-    opponent = env_cfg.eval.opponent
     if env_cfg.eval.episodes:
-        fixed = set(env_cfg.scripted())  # they keep their player
-        per_role = opponent if isinstance(opponent, dict) else {r: opponent for r in env_cls.roles if r not in fixed}
-        for role, player in per_role.items():
-            where = "environment.eval.opponent" + (f".{role}" if isinstance(opponent, dict) else "")
-            if role not in env_cls.roles:
-                raise ValueError(f"{where}: {env_cls.__name__} has no role {role!r} ({list(env_cls.roles)})")
-            check_scripted(env_cls, role, player, where)
-        missing = [r for r in env_cls.roles if r not in fixed and r not in per_role]
-        if missing:
-            raise ValueError(f"environment.eval.opponent: no scripted player for role(s) {missing}")
+        field = "opponents" if env_cfg.eval.opponents else "opponent"
+        for i, opponent in enumerate(env_cfg.eval.opponent_list()):
+            _check_opponent(env_cls, env_cfg, opponent,
+                            f"environment.eval.{field}" + (f"[{i}]" if env_cfg.eval.opponents else ""))
     return env_cls
+
+
+def _check_opponent(env_cls: type[Environment], env_cfg: EnvironmentConfig, opponent: str | dict[str, str],
+                    field: str) -> None:
+    fixed = set(env_cfg.scripted())  # they keep their player
+    per_role = opponent if isinstance(opponent, dict) else {r: opponent for r in env_cls.roles if r not in fixed}
+    for role, player in per_role.items():
+        where = field + (f".{role}" if isinstance(opponent, dict) else "")
+        if role not in env_cls.roles:
+            raise ValueError(f"{where}: {env_cls.__name__} has no role {role!r} ({list(env_cls.roles)})")
+        check_scripted(env_cls, role, player, where)
+    missing = [r for r in env_cls.roles if r not in fixed and r not in per_role]
+    if missing:
+        raise ValueError(f"{field}: no scripted player for role(s) {missing}")
 
 
 def describe_environments() -> str:

@@ -42,11 +42,13 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
     progress = progress or Progress()
     eta = fmt_duration(progress.run_eta_s(status)) if status else "-"
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n)
+    caption = [f"restarts: {restarted}"] if restarted else []
+    caption += [latest_eval(status)] if status and status.get("evals") else []
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
                         f"{status.get('phase') if status else 'starting'} — ETA {eta}",
-                  caption=f"restarts: {restarted}" if restarted else None)
-    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "eval start", "eval end",
-                "episodes/s"):
+                  caption="\n".join(caption) or None)
+    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "illegal", "eval start",
+                "eval end", "episodes/s"):
         table.add_column(col)
     if status:
         for name, a in status["agents"].items():
@@ -54,19 +56,31 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
             rate = progress.steps_per_min(name)
             table.add_row(name, f"{a['step']}/{status['total_steps']}", "-" if rate is None else f"{rate:.2f}",
                           fmt_duration(progress.eta_s(name, a["step"], status["total_steps"])),
-                          str(a["weight_version"]), fmt(a["recent_group_reward"]), fmt(a["eval_start"]),
+                          str(a["weight_version"]), fmt(a["recent_group_reward"]), fmt(a.get("illegal_rate")),
+                          fmt(a["eval_start"]),
                           fmt(a["eval_end"]), f"{status['episodes_per_s']:.2f}")
     return table
 
 
+def latest_eval(status: dict) -> str:
+    """The newest evaluation, one ``agent vs opponent score ± se (illegal rate)`` per pair."""
+    ev = status["evals"][-1]
+    parts = [f"{agent} vs {opponent} {r['score']:.3f}"
+             + (f" ± {r['score_se']:.3f}" if r.get("score_se") is not None else "")
+             + (f" (illegal {r['illegal_rate']:.3f})" if r.get("illegal_rate") is not None else "")
+             for agent, vs in (ev.get("vs") or {}).items() for opponent, r in vs.items() if r.get("score") is not None]
+    return f"eval {ev.get('label')}: " + ("; ".join(parts) or "-")
+
+
 def summary_table(summary: dict) -> Table:
     table = Table(title=f"Tandem run {summary['run']} — {summary['phase']} in {summary['wall_s']}s")
-    cols = ("weight_versions", "steps", "reward_first_quarter", "reward_last_quarter", "eval_start", "eval_end")
+    cols = ("weight_versions", "steps", "reward_first_quarter", "reward_last_quarter", "train_illegal_rate",
+            "eval_start", "eval_end")
     table.add_column("agent")
     for c in cols:
         table.add_column(c)
     for name, a in summary["agents"].items():
-        table.add_row(name, *("-" if a[c] is None else (f"{a[c]:.3f}" if isinstance(a[c], float) else str(a[c]))
+        table.add_row(name, *("-" if a.get(c) is None else (f"{a[c]:.3f}" if isinstance(a[c], float) else str(a[c]))
                               for c in cols))
     return table
 

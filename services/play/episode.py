@@ -6,7 +6,9 @@ them (loss mask 1, with their rollout logprobs and weight version). A role may b
 agent (its rollout's engines), by one of the environment's scripted players, or by fixed
 weights run in-process (a ``Local`` player: opponent-pool versions, ``tandem eval``); ``generate``
 routes each model player's request. Per-turn rewards, when an environment gives them, are added
-to the final ones.
+to the final ones. A reply the environment marks as illegal or malformed (``StepResult.info`` holds
+a key of ``FORMAT_FAILURE_KEYS``) is flagged ``invalid`` in the transcript: the illegal or
+format-failure rate that evaluation and training report (docs/architecture.md §8) counts these.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from services.envs.base import Environment
 from services.envs.render import ChatRenderer
 
 MAX_TURNS = 200
+FORMAT_FAILURE_KEYS = ("illegal", "malformed")  # StepResult.info keys that mark a reply as a format failure
 
 Generate = Callable[[Player, GenerateRequest], Awaitable[GenerateReply]]
 
@@ -86,6 +89,13 @@ class EpisodeResult:
                 weight_versions=view.weight_versions, engines=view.engines, reply_ids=view.reply_ids,
             ))
         return out
+
+    def replies(self, role: str) -> tuple[int, int]:
+        """(replies, illegal or malformed ones) of the model player in ``role`` (0, 0 for a scripted role)."""
+        if role not in self.views:
+            return 0, 0
+        mine = [t for t in self.transcript if t.get("role") == role and "text" in t]
+        return len(mine), sum(1 for t in mine if t.get("invalid"))
 
     def record(self) -> dict[str, Any]:
         return {"id": self.episode_id, "group_id": self.group_id, "purpose": self.purpose,
@@ -175,6 +185,9 @@ async def play_episode(
         for r, v in result.turn_rewards.items():
             turn_rewards[r] = turn_rewards.get(r, 0.0) + v
         entry.update(text=text, turn_rewards=result.turn_rewards)
+        failure = format_failure(result.info)
+        if failure is not None:
+            entry["invalid"] = failure
         transcript.append(entry)
         if result.done:
             rewards = dict(result.rewards)
@@ -182,6 +195,14 @@ async def play_episode(
     rewards = final_rewards(env, episode_id, roles, rewards, turn_rewards)
     summary = {**env.summary(), **({"truncated": True} if truncated else {})}
     return EpisodeResult(episode_id, group_id, dict(roles), rewards, transcript, ep.views, summary, purpose)
+
+
+def format_failure(info: Mapping[str, Any]) -> str | None:
+    """Why a step's reply was illegal or malformed (its ``info``'s ``FORMAT_FAILURE_KEYS``), or None."""
+    for key in FORMAT_FAILURE_KEYS:
+        if info.get(key):
+            return f"{key}: {info[key]}"[:80]
+    return None
 
 
 def final_rewards(env: Environment, episode_id: str, roles: Mapping[str, Player], rewards: dict[str, float],

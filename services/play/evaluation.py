@@ -1,8 +1,10 @@
-"""Held-out evaluation: one player against the environment's scripted opponent, seeded.
+"""Held-out evaluation (docs/architecture.md §8): one player against the env's scripted opponents, seeded.
 
-Used by the coordinator (at the start and end of a run), by ``tandem eval`` and by the demo's
-warm-start and RL sweep. Episode i draws from seed ``7_000_000 + 1000 i``, so the same episodes,
-opponent moves and sampling draws come back every time. The player takes, in turn, each role it
+Used by the coordinator (at the start and end of a run, every ``eval.every_n_steps`` and on demand),
+by ``tandem eval`` and by the demo's warm-start and RL sweep; ``score`` is the one report all of them
+give (score ± standard error, wins/draws/losses, the illegal or format-failure rate). Episode i
+draws from seed ``7_000_000 + 1000 i``, so the same episodes, opponent moves and sampling draws come
+back every time. The player takes, in turn, each role it
 is evaluated in; roles the config gives a scripted player keep it (a rule-based judge); the
 others are played by the opponent. An episode is a win when the player's reward beats the best
 other role's (or is positive in a one-role environment), a draw when equal (zero), else a loss.
@@ -11,6 +13,7 @@ other role's (or is positive in a one-role environment), a draw when equal (zero
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -64,21 +67,48 @@ async def play_eval(env_cls: type[Environment], env_cfg: EnvironmentConfig, play
     return [(mine, r) for (mine, _), r in zip(jobs, results, strict=True) if r is not None]
 
 
+def mean_se(xs: list[float]) -> tuple[float | None, float | None]:
+    """The mean and its standard error (sample std / sqrt(n); None below two values)."""
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
 def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: str | dict[str, str],
           ) -> dict[str, Any]:
-    """Score (0-1), wins/draws/losses, mean reward and per-role scores of ``play_eval``'s results."""
+    """The one evaluation report (in-run and ``tandem eval`` alike), from ``play_eval``'s results: the score
+    (win 1, draw 1/2, loss 0) with its standard error, wins/draws/losses, the illegal or format-failure rate
+    (episodes in which the player's reply was illegal or malformed, episode.py) with its standard error and
+    per reply, the mean reward and the per-role scores."""
     counts = {"win": 0, "draw": 0, "loss": 0}
     per_role: dict[str, list[float]] = {r: [] for r in roles}
     rewards: list[float] = []
+    invalid: list[float] = []
+    replies = invalid_replies = 0
     for mine, r in results:
         counts[outcome(r.rewards, mine)] += 1
         per_role[mine].append(score_for(r.rewards, mine))
         rewards.append(r.rewards.get(mine, 0.0))
+        n, bad = r.replies(mine)
+        replies, invalid_replies = replies + n, invalid_replies + bad
+        invalid.append(1.0 if bad else 0.0)
     scores = [x for xs in per_role.values() for x in xs]
-    return {"score": sum(scores) / len(scores) if scores else None, "episodes": len(scores), "opponent": opponent,
+    mean, se = mean_se(scores)
+    illegal, illegal_se = mean_se(invalid)
+    return {"score": mean, "score_se": se, "episodes": len(scores), "opponent": opponent,
             "wins": counts["win"], "draws": counts["draw"], "losses": counts["loss"],
+            "illegal_rate": illegal, "illegal_rate_se": illegal_se, "illegal_episodes": int(sum(invalid)),
+            "illegal_reply_rate": invalid_replies / replies if replies else None,
             "mean_reward": sum(rewards) / max(len(rewards), 1),
             "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()}}
+
+
+def opponent_label(opponent: str | dict[str, str]) -> str:
+    """How reports name an opponent: the scripted player, or ``role:player,...`` for one per role."""
+    return opponent if isinstance(opponent, str) else ",".join(f"{r}:{p}" for r, p in opponent.items())
 
 
 async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig, player: Player,
@@ -87,3 +117,11 @@ async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig
     """Play ``episodes`` seeded episodes; return score (0-1), wins/draws/losses and per-role scores."""
     results = await play_eval(env_cls, env_cfg, player, roles, opponent, episodes, base, temperature, play)
     return score(results, roles, opponent)
+
+
+async def evaluate_against(env_cls: type[Environment], env_cfg: EnvironmentConfig, player: Player,
+                           roles: list[str], opponents: list[str | dict[str, str]], episodes: int,
+                           base: SamplingParams, temperature: float, play: Play) -> dict[str, dict[str, Any]]:
+    """``evaluate_player`` against each opponent in turn: opponent label -> report (``score``)."""
+    return {opponent_label(o): await evaluate_player(env_cls, env_cfg, player, roles, o, episodes, base,
+                                                     temperature, play) for o in opponents}

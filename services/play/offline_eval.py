@@ -1,10 +1,12 @@
 """``tandem eval CONFIG [--checkpoint [AGENT=]DIR ...]``: score weights without starting a run.
 
 Plays the config's held-out evaluation (evaluation.py: seeded episodes, the env's scripted
-opponent, each agent in the roles it plays) with the given weights run in-process as ``Local``
-players (local.py), prints per-agent and per-role scores with wins/draws/losses, and writes them
-as JSON. No Redis, engines or trainers are started. ``--checkpoint DIR`` values without
-``AGENT=`` go to the config's training agents in order; agents without one use their model_path.
+opponents, each agent in the roles it plays) with the given weights run in-process as ``Local``
+players (local.py), prints per agent and opponent the report the in-run evaluation gives
+(evaluation.py ``score``: score ± standard error, wins/draws/losses, illegal rate, per-role
+scores), and writes them as JSON (docs/architecture.md §8). No Redis, engines or trainers are
+started. ``--checkpoint DIR`` values without ``AGENT=`` go to the config's training agents in
+order; agents without one use their model_path.
 The launcher calls ``main`` in-process.
 """
 
@@ -26,7 +28,7 @@ from services.contracts.players import Local, Player
 from services.envs.base import Environment
 from services.envs.registry import check_environment_config, check_scripted
 from services.play.episode import EpisodeResult, play_episode
-from services.play.evaluation import eval_roles, evaluate_player
+from services.play.evaluation import eval_roles, evaluate_against
 from services.play.local import LocalPlayers
 
 
@@ -50,10 +52,6 @@ def assign_checkpoints(cfg: TandemConfig, values: list[str]) -> dict[str, str]:
     return out
 
 
-def label(opponent: str | dict[str, str]) -> str:
-    return opponent if isinstance(opponent, str) else ",".join(f"{r}:{p}" for r, p in opponent.items())
-
-
 async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: list[str | dict[str, str]],
                    episodes: int, local: LocalPlayers | None = None) -> dict[str, Any]:
     env_cls = check_environment_config(cfg.environment)
@@ -71,11 +69,10 @@ async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: li
             return await play_episode(env, uuid.uuid4().hex, gid, mapping, tokenizers, sampling, local.generate,
                                       "eval", rng, context)
 
-        results[agent] = {"checkpoint": path, "roles": eval_roles(cfg.environment, env_cls, agent), "vs": {}}
-        for opponent in opponents:
-            results[agent]["vs"][label(opponent)] = await evaluate_player(
-                env_cls, cfg.environment, player, results[agent]["roles"], opponent, episodes,
-                cfg.agents[agent].sampling, ev.temperature, play)
+        roles = eval_roles(cfg.environment, env_cls, agent)
+        results[agent] = {"checkpoint": path, "roles": roles, "vs": await evaluate_against(
+            env_cls, cfg.environment, player, roles, opponents, episodes, cfg.agents[agent].sampling,
+            ev.temperature, play)}
     return {"environment": cfg.environment.name, "episodes": episodes, "temperature": ev.temperature,
             "time": time.time(), "agents": results}
 
@@ -87,14 +84,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TandemConfig
     parser.add_argument("config")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="[AGENT=]DIR")
     parser.add_argument("--opponent", action="append", default=[],
-                        help="a scripted player of the environment (repeatable); default: the config's eval.opponent")
+                        help="a scripted player of the environment (repeatable); default: the config's eval opponents")
     parser.add_argument("--episodes", type=int, default=None, help="default: the config's eval.episodes")
     parser.add_argument("--out", default=None, help="JSON output (default runs/<run>/eval.json)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     env_cls = check_environment_config(cfg.environment)
     checkpoints = assign_checkpoints(cfg, args.checkpoint)
-    opponents: list[str | dict[str, str]] = list(args.opponent) or [cfg.environment.eval.opponent]
+    opponents: list[str | dict[str, str]] = list(args.opponent) or cfg.environment.eval.opponent_list()
     fixed = cfg.environment.scripted()
     for o in args.opponent:
         for role in env_cls.roles:
@@ -104,6 +101,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TandemConfig
     if episodes < 1:
         raise ConfigError("--episodes: must be at least 1 (or set environment.eval.episodes)")
     return args, cfg, checkpoints, opponents, episodes
+
+
+def fmt_se(mean: float | None, se: float | None) -> str:
+    """``0.512 ± 0.025`` (``-`` for no value)."""
+    return "-" if mean is None else f"{mean:.3f}" + ("" if se is None else f" ± {se:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     for agent, r in report["agents"].items():
         for opponent, s in r["vs"].items():
             roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
-            score = "-" if s["score"] is None else f"{s['score']:.3f}"
-            print(f"{agent} vs {opponent}: score {score}  wins {s['wins']} draws {s['draws']} "
-                  f"losses {s['losses']}  ({roles}; {s['episodes']} episodes, {r['checkpoint']})")
+            print(f"{agent} vs {opponent}: score {fmt_se(s['score'], s['score_se'])}  wins {s['wins']} draws "
+                  f"{s['draws']} losses {s['losses']}  illegal {fmt_se(s['illegal_rate'], s['illegal_rate_se'])}"
+                  f"  ({roles}; {s['episodes']} episodes, {r['checkpoint']})")
     out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

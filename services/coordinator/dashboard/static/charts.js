@@ -88,6 +88,28 @@ const Charts = {
       }
     }
     this.set("eval", "held-out eval score (vs scripted)", "weight version", evals);
+    // every further opponent (eval.opponents) gets its own chart; the first is the one above
+    const opponents = [];
+    for (const e of status.evals || []) for (const o of e.opponents || []) if (!opponents.includes(o)) opponents.push(o);
+    for (const o of opponents.slice(1)) {
+      const per = {};
+      for (const a of this.agents) per[a] = [[], []];
+      for (const e of status.evals || []) {
+        for (const [a, vs] of Object.entries(e.vs || {})) {
+          const r = vs[o];
+          if (!per[a] || !r || r.score === null) continue;
+          per[a][0].push((e.versions || {})[a] || 0);
+          per[a][1].push(r.score);
+        }
+      }
+      this.set("eval-" + o, "held-out eval score vs " + o, "weight version", per);
+    }
+    const illegal = {};
+    for (const a of this.agents) {
+      const tp = ((metrics[a] || {}).train_play || []).filter(p => p.illegal_rate !== null);
+      illegal[a] = [tp.map(p => p.weight_version), tp.map(p => p.illegal_rate)];
+    }
+    this.set("illegal", "training episodes with an illegal / malformed reply", "weight version", illegal);
     const keys = new Set();
     for (const a of this.agents) {
       for (const s of (metrics[a] || {}).train_steps || []) {
