@@ -229,9 +229,9 @@ class Coordinator:
         """The agents that train on a group played with ``roles``."""
         return {p.agent for p in roles.values() if isinstance(p, AgentPlayer) and p.agent in self.state.agents}
 
-    def may_launch(self, roles: dict[str, Player]) -> bool:
-        wanting = [self.state.agents[a] for a in self.trained(roles) if self.state.agents[a].wants_groups()]
-        return bool(wanting) and not any(a.blocked_by_staleness() for a in wanting)
+    def may_launch(self, roles: dict[str, Player], index: int) -> bool:
+        wanting = [self.state.agents[a] for a in sorted(self.trained(roles)) if self.state.agents[a].wants_groups()]
+        return bool(wanting) and not self.state.closed_gates(index, wanting)  # noted for /v1/status
 
     async def play_group(self, index: int, roles: dict[str, Player], group_id: str) -> list[EpisodeResult]:
         envs = self.env_cls.make_group(self.cfg.environment.params, self.cfg.run.seed * 1_000_003 + index,
@@ -300,7 +300,7 @@ class Coordinator:
             roles = self.roles_for_group(self.state.groups_launched)
             async with self.changed:
                 await self.changed.wait_for(lambda r=roles: self.state.stop_requested or self.all_finished() or (
-                    not self.state.paused and self.may_launch(r)))
+                    not self.state.paused and self.may_launch(r, self.state.groups_launched)))
             if self.state.stop_requested or self.all_finished():
                 break
             index, agents = self.state.groups_launched, self.trained(roles)
@@ -311,7 +311,7 @@ class Coordinator:
             task = asyncio.create_task(self.run_group(index, roles, group_id))
             self.group_tasks.add(task)
             task.add_done_callback(self.group_tasks.discard)
-            self.state.groups_launched += 1
+            self.state.launched(index)  # groups_launched += 1
 
     def all_finished(self) -> bool:
         return all(a.finished for a in self.state.agents.values())

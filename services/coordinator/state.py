@@ -6,7 +6,10 @@ The launch gate (docs/architecture.md §4) lives here: agent X blocks a new grou
 filtered) or one abandoned (see ledger.py) is replaced; with
 ``max_staleness = 0`` no group for step k+1 starts before version k+1 is
 loaded on every engine. A group starts when some agent in it still wants
-groups and no agent that still wants groups is blocked.
+groups and no agent that still wants groups is blocked. Groups launch one at a time, in order: the
+next group waits while any gate of its agents is closed, and ``GateWait`` says which gates hold it;
+each agent's ``gate`` in the status counts the groups its gate held back and the groups it played
+in that another agent's gate held back (§4).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class AgentState:
     abandon_reasons: dict[str, int] = field(default_factory=dict)  # reason -> groups
     rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout_load event's data
     train_play: dict[int, PlayCounts] = field(default_factory=dict)  # weight version -> training play (train_play.py)
+    groups_held: int = 0  # groups whose launch this agent's staleness gate held back
+    held_s: float = 0.0  # their total wait
+    held_back_by: dict[str, int] = field(default_factory=dict)  # agent whose gate held one of my groups -> groups
 
     def resolve_group(self, group_id: str, outcome: str, reason: str = "") -> None:
         """Apply a group's outcome ("kept", "dropped", "abandoned") once; repeats are ignored.
@@ -120,6 +126,19 @@ class AgentState:
 
 
 @dataclass
+class GateWait:
+    """The next group while a staleness gate holds its launch: its training agents and the closed gates."""
+    index: int
+    agents: list[str]
+    since: float
+    held_by: set[str] = field(default_factory=set)
+
+    def status(self) -> dict[str, Any]:
+        return {"index": self.index, "agents": self.agents, "held_by": sorted(self.held_by),
+                "waiting_s": round(time.time() - self.since, 2)}
+
+
+@dataclass
 class RunState:
     cfg: TandemConfig
     phase: str = "starting"  # starting | eval_start | training | eval_end | done | stopped
@@ -131,6 +150,7 @@ class RunState:
     episodes_done: int = 0
     episode_times: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     groups_launched: int = 0
+    gate_wait: GateWait | None = None  # the next group, while a gate holds it
 
     @classmethod
     def from_config(cls, cfg: TandemConfig) -> RunState:
@@ -139,6 +159,36 @@ class RunState:
             for name, a in cfg.agents.items() if a.train  # a frozen agent has no state to track
         }
         return cls(cfg=cfg, agents=agents)
+
+    def closed_gates(self, index: int, wanting: list[AgentState]) -> list[str]:
+        """The agents of group ``index`` (those that want groups) whose staleness gate is closed, noted
+        in ``gate_wait`` for the status."""
+        blocked = [a.name for a in wanting if a.blocked_by_staleness()]
+        if blocked:
+            if self.gate_wait is None or self.gate_wait.index != index:
+                self.gate_wait = GateWait(index, [a.name for a in wanting], time.time())
+            self.gate_wait.held_by.update(blocked)
+        return blocked
+
+    def launched(self, index: int) -> None:
+        """Group ``index`` launched: count the wait, if a gate held it, against each gate that did."""
+        self.groups_launched += 1
+        wait, self.gate_wait = self.gate_wait, None
+        if wait is None or wait.index != index:
+            return
+        for name in wait.held_by:
+            self.agents[name].groups_held += 1
+            self.agents[name].held_s += time.time() - wait.since
+        for name in wait.agents:
+            for gate in wait.held_by:
+                held = self.agents[name].held_back_by
+                held[gate] = held.get(gate, 0) + 1
+
+    def gate_status(self, a: AgentState) -> dict[str, Any]:
+        wait = self.gate_wait
+        return {"open": not a.blocked_by_staleness(),
+                "holding_next_group": bool(wait and a.name in wait.held_by and a.blocked_by_staleness()),
+                "groups_held": a.groups_held, "held_s": round(a.held_s, 2), "held_back_by": dict(a.held_back_by)}
 
     def restore_evals(self, evals: list[dict[str, Any]]) -> None:
         for ev in evals:
@@ -173,6 +223,7 @@ class RunState:
                 "skipped_steps": a.skipped_steps,
                 "illegal_rate": recent(a.train_play).report()["illegal_rate"],  # the newest training episodes'
                 "rollout": a.rollout,
+                "gate": self.gate_status(a),
             }
         return {
             "run": self.cfg.run.name,
@@ -184,4 +235,5 @@ class RunState:
             "episodes_per_s": round(self.episodes_per_s(), 3),
             "total_steps": self.cfg.run.total_steps,
             "agents": agents,
+            "waiting_group": self.gate_wait.status() if self.gate_wait else None,
         }

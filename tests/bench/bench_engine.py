@@ -19,7 +19,9 @@ the same measure with httpx as a secondary line.
 
 Secondary lines: ``ratio_vs_sequential_generate`` (one ``model.generate`` per request, one after the
 other: what the bench used to compare with), ``router_overhead_ratio`` (wall time through the real
-sglang-router over straight to the engine, median of alternated rounds) and ``weight_update_ms``.
+sglang-router over straight to the engine, median of alternated rounds), ``weight_update_ms`` and
+``sampler_*_ms`` (services/inference/sampling.py's ``sample`` against its full-sort reference, per call
+at 128 rows of the demo's vocabulary, alternated).
 ``load_average`` is the machine's 1-minute load before and after: the box is shared, so absolute
 tokens/s are noisy and only the side-by-side ratios mean much.
 
@@ -287,6 +289,28 @@ async def _wall(run: Awaitable[tuple[float, list[float]]]) -> float:
     return (await run)[0]
 
 
+def sampler_figures(rows: int = MAX_BATCH, vocab: int = 264, reps: int = 200) -> dict[str, float]:
+    """Per-call milliseconds of the sampler against its full-sort reference on one thread, alternated
+    (``rows`` x ``vocab`` logits: the demo model's vocabulary at the full batch)."""
+    from services.inference.sampling import sample, sample_sorted
+
+    torch.set_num_threads(1)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    out: dict[str, float] = {}
+    for label, (t, p, k) in {"unrestricted": (1.0, 1.0, -1), "top_p_top_k": (0.7, 0.9, 30)}.items():
+        arms: dict[str, list[float]] = {"fast": [], "sorted": []}
+        for rnd in range(6):
+            for name, fn in (("fast", sample), ("sorted", sample_sorted))[::1 if rnd % 2 else -1]:
+                start = time.perf_counter()
+                for _ in range(reps // 6):
+                    fn(logits, [t] * rows, [p] * rows, [k] * rows, gens)
+                arms[name].append((time.perf_counter() - start) / (reps // 6) * 1000)
+        out[f"sampler_{label}_ms"] = round(statistics.median(arms["fast"]), 3)
+        out[f"sampler_{label}_full_sort_ms"] = round(statistics.median(arms["sorted"]), 3)
+    return out
+
+
 def run() -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -304,7 +328,7 @@ def run() -> dict[str, Any]:
     return {"model": str(model_dir.name), "new_tokens": N_NEW, "rounds": ROUNDS, "max_batch": MAX_BATCH,
             "ratio_vs_batched_generate": {c: v["ratio_vs_batched_generate"] for c, v in by_c.items()},
             "engine_tokens_per_s": {c: v["engine_tokens_per_s"] for c, v in by_c.items()},
-            "by_concurrency": by_c, **served,
+            "by_concurrency": by_c, **served, **sampler_figures(),
             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "seconds": round(time.perf_counter() - started, 1)}
 

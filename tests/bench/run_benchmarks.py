@@ -4,7 +4,10 @@ Each benchmark module exposes ``run() -> dict[str, float]``; its figures are
 stored under the module's short name (``codec.*``, ``engine.*``, ...).
 Figures are ratios measured side by side in one run where it matters; ``machine.load_average`` (the
 1-minute load when the run started) says how busy the shared box was. The engine's headline is
-``engine.ratio_vs_batched_generate`` (per concurrency; see ``bench_engine``).
+``engine.ratio_vs_batched_generate`` (per concurrency; see ``bench_engine``). ``bench_system`` returns
+whole sections (``system.step_time_ratio_vs_in_process``, ``startup.first_turn_s``,
+``async.step_rate_ratio``), merged at the top level. ``seconds`` gives each benchmark's wall time and the
+total (docs/architecture.md §9).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,16 +26,26 @@ sys.path.insert(0, str(ROOT))
 BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_engine",
               "trainer": "tests.bench.bench_trainer",
               "bus": "tests.bench.bench_bus", "tinker_api": "tests.bench.bench_tinker",
-              "durability": "tests.bench.durability_cost"}
+              "durability": "tests.bench.durability_cost", "system": "tests.bench.bench_system"}
+SECTIONS = {"system"}  # these return top-level sections, not figures under their own name
 
 
 def main() -> None:
     results: dict[str, object] = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
                                               "processor": platform.processor() or platform.machine(),
                                               "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}}
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
     for name, module in BENCHMARKS.items():
         print(f"running {name} ...", flush=True)
-        results[name] = importlib.import_module(module).run()
+        t0 = time.perf_counter()
+        figures = importlib.import_module(module).run()
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        if name in SECTIONS:
+            results.update(figures)
+        else:
+            results[name] = figures
+    results["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
     out = ROOT / "build" / "bench.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
