@@ -27,6 +27,7 @@ from services.common.bus import Bus
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
+from services.coordinator.archive import TranscriptArchive
 from services.coordinator.dashboard.transcripts import save_tokens
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
@@ -38,7 +39,6 @@ from services.play.evaluation import eval_roles, evaluate_player
 from services.play.local import LocalPlayers, context_length
 
 log = logging.getLogger("tandem.coordinator")
-
 
 TURN_TIMEOUT_S = 300.0
 ENGINE_WAIT_S = 1800.0  # SGLang engines can take minutes to load a real model
@@ -69,7 +69,7 @@ class Coordinator:
         self.empty_streak: dict[str, int] = {}
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
         self.ledger = GroupLedger(bus, list(self.state.agents))
-        self.run_record = RunRecord(bus)
+        self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
 
     async def restore(self) -> None:
@@ -159,6 +159,7 @@ class Coordinator:
         if len(self.episodes) > EPISODE_CACHE:
             self.episodes.pop(next(iter(self.episodes)))
         await self.bus.redis.hset(self.bus.streams.episodes(), result.episode_id, json.dumps(rec))
+        await self.archive.add(result.episode_id, rec.get("purpose", "train"))  # the oldest over the limit
         await self.run_record.count_episode()
         await save_tokens(self.bus, result)  # each reply's tokens and logprobs, for the dashboard
         self.state.episodes_done += 1

@@ -1,0 +1,84 @@
+"""Bounded transcripts (docs/architecture.md §10): the run's episode hash (``Streams.episodes``) keeps the
+newest ``run.transcripts_kept`` transcripts per purpose (train, eval); older ones are archived, compressed,
+to ``runs/<run>/transcripts.jsonl.gz`` and removed from Redis.
+
+* Order: one Redis list per purpose (``episodes:order:<purpose>``), episode ids appended as they are recorded.
+* Spilling: once a purpose holds ``ARCHIVE_BATCH`` more than it keeps, the oldest excess is appended to the
+  archive as one gzip member (one JSON record a line; a gzip file of several members reads as one stream:
+  ``gzip.open(path, "rt")``), fsynced, and only then removed from the hash and the order list (one
+  transaction). So Redis holds at most ``transcripts_kept + ARCHIVE_BATCH - 1`` per purpose.
+* A crash between the append and the removal archives that batch again on the next spill: a record may be
+  in the archive twice (same ``id``), never lost. One spill runs at a time (a lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from services.common.bus import Bus
+
+ARCHIVE_BATCH = 32
+ARCHIVE_NAME = "transcripts.jsonl.gz"
+
+
+def append_gzip(path: Path, lines: list[bytes]) -> None:
+    """Append ``lines`` (JSON records) to the gzip file at ``path`` as one member, durably."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as raw:
+        with gzip.GzipFile(fileobj=raw, mode="ab") as gz:
+            gz.write(b"".join(line.rstrip(b"\n") + b"\n" for line in lines))
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+def read_archive(path: Path | str) -> Iterator[dict[str, Any]]:
+    """Every archived transcript record, oldest first (a record archived twice appears twice)."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    with gzip.open(p, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+class TranscriptArchive:
+    def __init__(self, bus: Bus, keep: int, run_dir: Path, batch: int = ARCHIVE_BATCH) -> None:
+        self.bus, self.keep, self.batch = bus, keep, max(1, batch)
+        self.path = Path(run_dir) / ARCHIVE_NAME
+        self.lock = asyncio.Lock()
+
+    def order_key(self, purpose: str) -> str:
+        return self.bus.streams.key(f"episodes:order:{purpose}")
+
+    async def add(self, episode_id: str, purpose: str) -> int:
+        """Record that the episode's transcript is in the hash; archive the oldest when over the limit.
+        Returns how many were archived now."""
+        held = int(await self.bus.redis.rpush(self.order_key(purpose), episode_id))
+        if held - self.keep < self.batch:
+            return 0
+        return await self.spill(purpose)
+
+    async def spill(self, purpose: str) -> int:
+        """Archive every transcript of ``purpose`` beyond the newest ``keep``."""
+        async with self.lock:
+            r, order = self.bus.redis, self.order_key(purpose)
+            excess = int(await r.llen(order)) - self.keep
+            if excess <= 0:
+                return 0
+            ids = await r.lrange(order, 0, excess - 1)
+            raws = await r.hmget(self.bus.streams.episodes(), ids)
+            lines = [raw for raw in raws if raw is not None]
+            if lines:
+                await asyncio.to_thread(append_gzip, self.path, lines)
+            async with r.pipeline(transaction=True) as pipe:
+                pipe.hdel(self.bus.streams.episodes(), *ids)
+                pipe.ltrim(order, len(ids), -1)
+                await pipe.execute()
+            return len(lines)
