@@ -14,6 +14,7 @@ from services.common.embedded_redis import EmbeddedRedis
 from services.common.retention import DoneIds
 from services.contracts.messages import Control
 from services.coordinator.archive import TranscriptArchive, read_archive
+from services.coordinator.dashboard.transcripts import tokens_key
 
 
 async def consume_all(bus: Bus, stream: str, n: int) -> None:
@@ -85,9 +86,14 @@ async def test_transcripts_past_the_kept_count_are_archived_compressed(redis_url
         for purpose in ("train", "eval"):
             eid = ids[purpose][i]
             await bus.redis.hset(bus.streams.episodes(), eid, json.dumps({"id": eid, "purpose": purpose}))
+            await bus.redis.set(tokens_key(bus.streams.key, eid), json.dumps({"r": {"turns": []}}))
             await archive.add(eid, purpose)
     held = {k.decode() for k in await bus.redis.hkeys(bus.streams.episodes())}
-    archived = [r["id"] for r in read_archive(tmp_path / "transcripts.jsonl.gz")]
+    records = list(read_archive(tmp_path / "transcripts.jsonl.gz"))
+    archived = [r["id"] for r in records]
+    assert all(r["reply_tokens"] == {"r": {"turns": []}} for r in records)
+    for eid in archived:  # the dashboard's tokens left Redis with the record
+        assert not await bus.redis.exists(tokens_key(bus.streams.key, eid))
     for purpose in ("train", "eval"):
         kept = [e for e in ids[purpose] if e in held]
         assert 3 <= len(kept) <= 3 + 2 - 1 and kept == ids[purpose][-len(kept):]  # the newest stay

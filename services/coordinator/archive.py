@@ -2,6 +2,8 @@
 newest ``run.transcripts_kept`` transcripts per purpose (train, eval); older ones are archived, compressed,
 to ``runs/<run>/transcripts.jsonl.gz`` and removed from Redis.
 
+* What: the episode's record, with the dashboard's per-reply tokens (``dashboard:tokens:<id>``, otherwise
+  kept 24 h) under ``reply_tokens`` when they are still there; both leave Redis together.
 * Order: one Redis list per purpose (``episodes:order:<purpose>``), episode ids appended as they are recorded.
 * Spilling: once a purpose holds ``ARCHIVE_BATCH`` more than it keeps, the oldest excess is appended to the
   archive as one gzip member (one JSON record a line; a gzip file of several members reads as one stream:
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.bus import Bus
+from services.coordinator.dashboard.transcripts import tokens_key
 
 ARCHIVE_BATCH = 32
 ARCHIVE_NAME = "transcripts.jsonl.gz"
@@ -48,6 +51,15 @@ def read_archive(path: Path | str) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
+def with_tokens(record: bytes, tokens: bytes | None) -> bytes:
+    """The archived line: the episode's record, with its reply tokens when they were kept."""
+    if tokens is None:
+        return record
+    data = json.loads(record)
+    data["reply_tokens"] = json.loads(tokens)
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 class TranscriptArchive:
     def __init__(self, bus: Bus, keep: int, run_dir: Path, batch: int = ARCHIVE_BATCH) -> None:
         self.bus, self.keep, self.batch = bus, keep, max(1, batch)
@@ -72,13 +84,16 @@ class TranscriptArchive:
             excess = int(await r.llen(order)) - self.keep
             if excess <= 0:
                 return 0
-            ids = await r.lrange(order, 0, excess - 1)
+            ids = [i.decode() for i in await r.lrange(order, 0, excess - 1)]
+            token_keys = [tokens_key(self.bus.streams.key, i) for i in ids]
             raws = await r.hmget(self.bus.streams.episodes(), ids)
-            lines = [raw for raw in raws if raw is not None]
+            tokens = await r.mget(token_keys)
+            lines = [with_tokens(raw, tok) for raw, tok in zip(raws, tokens, strict=True) if raw is not None]
             if lines:
                 await asyncio.to_thread(append_gzip, self.path, lines)
             async with r.pipeline(transaction=True) as pipe:
                 pipe.hdel(self.bus.streams.episodes(), *ids)
+                pipe.delete(*token_keys)
                 pipe.ltrim(order, len(ids), -1)
                 await pipe.execute()
             return len(lines)
