@@ -111,7 +111,7 @@ class Bus:
             except REDIS_DOWN as exc:
                 await backoff.wait(exc)
             except ResponseError as exc:
-                raise (full_error(exc) or exc) from exc
+                raise full_error(exc) or exc  # noqa: B904 (RedisFull: exc is its context)
 
     # --- producing ----------------------------------------------------------
     async def publish(self, stream: str, msg: BaseModel) -> str:
@@ -240,7 +240,7 @@ class _ConsumeLoop:
                     pending_id, fresh = "0", True  # Redis may have restarted: re-ensure the group, re-read ours
                 except ResponseError as exc:
                     if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
-                        raise (full_error(exc) or exc) from exc
+                        raise full_error(exc) or exc  # noqa: B904 (RedisFull: exc is its context)
                     log.warning("%s: the group %s of %s is gone (Redis lost its data?); creating it again",
                                 self.consumer, self.group, self.stream)
                     pending_id, fresh = "0", True
@@ -373,7 +373,7 @@ class _ConsumeLoop:
             try:
                 await pipe.execute()
             except ResponseError as exc:
-                raise (full_error(exc) or exc) from exc
+                raise full_error(exc) or exc  # noqa: B904 (RedisFull: exc is its context)
         await self.done.prune()
 
     async def _flusher(self) -> None:
