@@ -49,13 +49,13 @@ def write_config(d: Path, model: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def slope_mb_per_1000(points: list[tuple[int, int]]) -> float:
+def slope_mb_per_1000(points: list[tuple[int, int, float]]) -> float:
     """Least-squares slope of used_memory (bytes) over steps, as MB per 1,000 steps."""
     n = len(points)
-    mx = sum(s for s, _ in points) / n
-    my = sum(m for _, m in points) / n
-    sxx = sum((s - mx) ** 2 for s, _ in points)
-    sxy = sum((s - mx) * (m - my) for s, m in points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    sxy = sum((p[0] - mx) * (p[1] - my) for p in points)
     return sxy / sxx * 1000 / 1e6 if sxx else float("nan")
 
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     server = EmbeddedRedis(data_dir=d / "redis", maxmemory_mb=cfg.run.redis_maxmemory_mb).start()
     client = redis.Redis.from_url(server.url)
     group = ProcessGroup(d / "logs", child_env({"TANDEM_REDIS_URL": server.url}), lambda name, line: None)
-    points: list[tuple[int, int]] = []
+    points: list[tuple[int, int, float]] = []  # (step, used_memory, seconds since the start)
     started = time.time()
     try:
         start_services(cfg, str(path), group, cfg.api.port)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
         while coord.proc.poll() is None and time.time() - started < args.max_wall_s:
             step = trained_steps(client)
             if step > last:
-                points.append((step, int(client.info("memory")["used_memory"])))
+                points.append((step, int(client.info("memory")["used_memory"]), round(time.time() - started, 1)))
                 last = step
             time.sleep(0.25)
         families = key_families(client)
