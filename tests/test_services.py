@@ -186,7 +186,8 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         await rollout.on_weights(v2)
         assert int(await bus.redis.get(s.loaded_weight_version("A"))) == 2
         assert WeightsUpdate.model_validate_json(await bus.redis.get(s.loaded_weights("A"))) == v2
-        await rollout.on_weights(v2.model_copy(update={"weight_version": 1}))  # an old update never rolls back
+        with pytest.raises(Reject, match="version 1 is older than the loaded version 2"):  # never rolls back
+            await rollout.on_weights(v2.model_copy(update={"weight_version": 1}))
         assert int(await bus.redis.get(s.loaded_weight_version("A"))) == 2
         loaded = [e for e in await entries(bus, s.events, Event) if e.kind == "weights_loaded"]
         assert [(e.weight_version, e.engines, e.path) for e in loaded] == [(2, [engine_url], str(tiny_model_dir))]

@@ -8,7 +8,9 @@ Delivery rules:
   i.e. after its effect is durable;
 * entries left pending by a dead consumer are reclaimed with XAUTOCLAIM;
 * effects are idempotent by message id: ids whose effect is done are kept in a
-  per-group set and a redelivered one is acknowledged without running again;
+  per-group set and a redelivered one is acknowledged without running again; the set is
+  bounded by the stream's retention, not by a TTL (services/common/retention.py says why
+  that is safe);
 * a payload that fails to decode or validate, or whose handler raises ``Reject``,
   goes to the dead-letter stream with the reason at once and the consumer goes on;
   any other handler failure (``ValueError`` included) leaves the entry pending, so
@@ -25,6 +27,9 @@ Redis restarts: while Redis is unreachable (``ConnectionError``/``TimeoutError``
 consume loops and ``publish`` wait with bounded exponential backoff and carry on when it
 is back (consumer groups re-ensured, this consumer's pending entries read again); only
 after ``reconnect_window_s`` without Redis do they give up and raise.
+
+A Redis that has reached its ``maxmemory`` (noeviction) refuses writes: that is raised as ``RedisFull``,
+whose message names the limit and what to do, never retried (docs/architecture.md §2.2, §10).
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from services.common.metrics import count_dead_letter, observed
 from services.common.reconnect import RECONNECT_WINDOW_S, REDIS_DOWN, Backoff
+from services.common.retention import DoneIds, trim_acknowledged
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.flows import Flow, flow
 from services.contracts.messages import DeadLetter
@@ -52,13 +58,25 @@ T = TypeVar("T")
 log = logging.getLogger("tandem.bus")
 
 MAX_DELIVERIES = 3
-DONE_TTL_S = 7 * 24 * 3600  # done-id sets outlive any redelivery, then expire
 POOL_SIZE = 64  # connections per Bus; a caller waits for a free one (never an error)
 CLOSE_FLUSH_S = 5.0  # at close, how long to try acknowledging what was handled
 
 
 class RetryLater(Exception):
     """Raised by a handler to leave the entry pending; it is reclaimed later (not counted as a failure)."""
+
+
+class RedisFull(RuntimeError):
+    """Redis refused a write because its ``maxmemory`` is reached (policy noeviction): the run cannot go on."""
+
+
+def full_error(exc: ResponseError) -> RedisFull | None:
+    """The clear error for Redis's OOM refusal, or None when ``exc`` is another error."""
+    if not isinstance(exc, OutOfMemoryError) and not str(exc).startswith("OOM"):
+        return None
+    return RedisFull(f"Redis is full: its maxmemory is reached and it refuses writes ({exc}). Raise "
+                     "run.redis_maxmemory_mb (embedded Redis) or the server's maxmemory, or keep fewer "
+                     "transcripts (run.transcripts_kept)")
 
 
 class Reject(Exception):
@@ -92,6 +110,8 @@ class Bus:
                 return await call()
             except REDIS_DOWN as exc:
                 await backoff.wait(exc)
+            except ResponseError as exc:
+                raise full_error(exc) or exc  # noqa: B904 (RedisFull: exc is its context)
 
     # --- producing ----------------------------------------------------------
     async def publish(self, stream: str, msg: BaseModel) -> str:
@@ -162,27 +182,7 @@ class Bus:
 
     async def trim_acknowledged(self, stream: str) -> int:
         """Trim entries that every group has acknowledged; returns entries removed."""
-        try:
-            groups = await self.redis.xinfo_groups(stream)
-        except ResponseError:
-            return 0
-        if not groups:
-            return 0
-        floor: tuple[int, int] | None = None
-        for g in groups:
-            name = g["name"]
-            pending = await self.redis.xpending(stream, name)
-            if pending["pending"]:
-                cut = pending["min"]
-            else:
-                last = g["last-delivered-id"]
-                ms, seq = (int(x) for x in (last.decode() if isinstance(last, bytes) else last).split("-"))
-                cut = f"{ms}-{seq + 1}"
-            cut_s = cut.decode() if isinstance(cut, bytes) else cut
-            key = tuple(int(x) for x in cut_s.split("-"))
-            floor = key if floor is None or key < floor else floor
-        assert floor is not None
-        return int(await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+        return await trim_acknowledged(self.redis, stream)
 
 
 @dataclass
@@ -204,7 +204,7 @@ class _ConsumeLoop:
         self.flow, self.handler = bus.flow(stream), handler
         self.concurrency, self.count, self.block_ms, self.claim_idle_ms = concurrency, count, block_ms, claim_idle_ms
         self.start, self.max_deliveries = start, max_deliveries
-        self.done_key = bus.streams.done_set(stream, group)
+        self.done = DoneIds(bus.redis, stream, bus.streams.done_set(stream, group))
         self.sem = asyncio.Semaphore(concurrency)
         self.tasks: set[asyncio.Task[None]] = set()
         self.working: set[bytes] = set()  # read and not yet acknowledged here: never handle or reclaim twice
@@ -220,9 +220,12 @@ class _ConsumeLoop:
         next_claim, fresh = 0.0, True
         try:
             while not stop.is_set():
+                if flusher.done():  # it only ends early on an error it cannot wait out (RedisFull)
+                    flusher.result()
                 try:
                     if fresh:
                         await self.bus.ensure_group(self.stream, self.group, self.start)
+                        await self.done.migrate()
                         fresh = False
                     entries: list[tuple[bytes, dict[bytes, bytes]]] = []
                     if time.monotonic() >= next_claim:
@@ -237,7 +240,7 @@ class _ConsumeLoop:
                     pending_id, fresh = "0", True  # Redis may have restarted: re-ensure the group, re-read ours
                 except ResponseError as exc:
                     if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
-                        raise
+                        raise full_error(exc) or exc  # noqa: B904 (RedisFull: exc is its context)
                     log.warning("%s: the group %s of %s is gone (Redis lost its data?); creating it again",
                                 self.consumer, self.group, self.stream)
                     pending_id, fresh = "0", True
@@ -278,7 +281,7 @@ class _ConsumeLoop:
         if not parsed:
             return
         valid = [e for e in parsed if e.letter is None]
-        done = await self.r.smismember(self.done_key, [e.msg_id for e in valid]) if valid else []
+        done = await self.done.which_done([e.msg_id for e in valid])
         self.working.update(e.entry_id for e in parsed)  # (after the check: if Redis fails there, none is held)
         settled = [e for e in parsed if e.letter is not None]
         todo: list[_Entry] = []
@@ -365,12 +368,13 @@ class _ConsumeLoop:
                 if e.letter is not None:
                     pipe.xadd(self.bus.streams.deadletter,
                               self.bus.letter(self.stream, e.entry_id.decode(), e.raw, e.letter))
-            msg_ids = [e.msg_id for e in batch if e.msg_id]
-            if msg_ids:
-                pipe.sadd(self.done_key, *msg_ids)
-                pipe.expire(self.done_key, DONE_TTL_S)
+            self.done.add(pipe, [(e.msg_id, e.entry_id) for e in batch if e.msg_id])
             pipe.xack(self.stream, self.group, *ids)
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except ResponseError as exc:
+                raise full_error(exc) or exc  # noqa: B904 (RedisFull: exc is its context)
+        await self.done.prune()
 
     async def _flusher(self) -> None:
         """Acknowledge, beside the reads and handlers, what completed while the previous burst was being

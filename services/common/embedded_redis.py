@@ -4,6 +4,11 @@
 Used by the local launcher when the config gives no Redis URL, and by the
 test suite, so neither depends on a Redis already running on the machine.
 It listens on 127.0.0.1 only and requires a generated password (in ``url``).
+
+Bounded (docs/architecture.md §10): ``maxmemory`` with the ``noeviction`` policy, so a full server refuses
+writes with an error naming ``maxmemory`` (the bus turns it into ``RedisFull``) instead of silently evicting
+run state; and the AOF is rewritten on a schedule (``auto-aof-rewrite-percentage`` /
+``auto-aof-rewrite-min-size``: whenever it has doubled since the last rewrite and is past the minimum size).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pathlib import Path
 import redis
 
 from services.common.lifetime import die_with_parent
+
+AOF_REWRITE_PERCENTAGE = 100  # rewrite the AOF once it has grown by this % since the last rewrite ...
+AOF_REWRITE_MIN_MB = 16  # ... and is at least this large
 
 
 def free_port() -> int:
@@ -49,12 +57,16 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None, appendonly: bool = True,
-                 password: str | None = None, appendfsync: str = "everysec") -> None:
+                 password: str | None = None, appendfsync: str = "everysec", maxmemory_mb: int = 0,
+                 aof_rewrite_percentage: int = AOF_REWRITE_PERCENTAGE,
+                 aof_rewrite_min_mb: int = AOF_REWRITE_MIN_MB) -> None:
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tandem-redis-")
         self.data_dir = Path(data_dir) if data_dir else Path(self._tmp.name)  # type: ignore[union-attr]
         self.appendonly = appendonly
         self.appendfsync = appendfsync
+        self.maxmemory_mb = maxmemory_mb  # 0: no limit
+        self.aof_rewrite_percentage, self.aof_rewrite_min_mb = aof_rewrite_percentage, aof_rewrite_min_mb
         self.password = secrets.token_hex(16) if password is None else password
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -66,7 +78,9 @@ class EmbeddedRedis:
     def config_text(self) -> str:
         lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f'dir "{self.data_dir}"',
                  'save ""', f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
-                 'logfile "valkey.log"']
+                 'logfile "valkey.log"', f"maxmemory {self.maxmemory_mb}mb", "maxmemory-policy noeviction",
+                 f"auto-aof-rewrite-percentage {self.aof_rewrite_percentage}",
+                 f"auto-aof-rewrite-min-size {self.aof_rewrite_min_mb}mb"]
         if self.password:
             lines.append(f"requirepass {self.password}")
         return "\n".join(lines) + "\n"

@@ -254,6 +254,10 @@ class RunConfig(Strict):
     redis_appendfsync: Literal["everysec", "always"] = Field(
         "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of writes on a machine "
         "crash (none on a Redis crash); always loses none (see README, Recovery)")
+    redis_maxmemory_mb: int = Field(4096, ge=0, description="embedded Redis maxmemory (noeviction: a full Redis "
+                                    "refuses writes and the run stops naming the limit); 0 = no limit")
+    transcripts_kept: int = Field(1000, ge=1, description="episode transcripts kept in Redis per purpose (train, "
+                                  "eval); older ones are archived to runs/<run>/transcripts.jsonl.gz")
 
 
 class ApiConfig(Strict):

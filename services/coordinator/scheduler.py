@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
@@ -29,7 +28,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
 from services.coordinator import evals, train_play
-from services.coordinator.dashboard.transcripts import save_tokens
+from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.report import write_report
@@ -39,7 +38,6 @@ from services.play.episode import EpisodeResult, play_episode
 from services.play.local import LocalPlayers, context_length
 
 log = logging.getLogger("tandem.coordinator")
-
 
 TURN_TIMEOUT_S = 300.0
 ENGINE_WAIT_S = 1800.0  # SGLang engines can take minutes to load a real model
@@ -71,7 +69,7 @@ class Coordinator:
         self.empty_streak: dict[str, int] = {}
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
         self.ledger = GroupLedger(bus, list(self.state.agents))
-        self.run_record = RunRecord(bus)
+        self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play = bus.streams.key("coord:train_play")
 
@@ -167,10 +165,7 @@ class Coordinator:
         self.episodes[result.episode_id] = rec
         if len(self.episodes) > EPISODE_CACHE:
             self.episodes.pop(next(iter(self.episodes)))
-        retry, key = self.bus.retrying, self.bus.streams.episodes()  # a Redis restart must not fail the group
-        await retry("recording an episode", lambda: self.bus.redis.hset(key, result.episode_id, json.dumps(rec)))
-        await retry("counting an episode", self.run_record.count_episode)
-        await retry("saving an episode's tokens", lambda: save_tokens(self.bus, result))  # for the dashboard
+        await store_episode(self.bus, self.archive, self.run_record, result, rec)  # retried through a restart
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
         if result.purpose == "train":  # the agents' illegal / format-failure rate, per version (train_play.py)

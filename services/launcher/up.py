@@ -186,7 +186,8 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     env: dict[str, str] = {}
     redis_url = cfg.redis_url
     if not cfg.redis_url:
-        redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync).start(timeout=120)
+        redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,
+                              maxmemory_mb=cfg.run.redis_maxmemory_mb).start(timeout=120)
         env["TANDEM_REDIS_URL"] = redis_url = redis.url
         console.print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; data in {run_dir / 'redis'})"
                       + (", resumed from its AOF" if resume else ""))

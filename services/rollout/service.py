@@ -147,9 +147,9 @@ class RolloutService:
         if w.agent != agent:
             raise Reject(f"weights of agent {w.agent!r} on the weights stream of {agent!r}")
         loaded = await self.bus.redis.get(s.loaded_weight_version(agent))
-        if loaded is not None and w.weight_version < int(loaded):  # a redelivered old update never rolls engines back
-            log.warning("version %d arrived after version %s was loaded: skipped", w.weight_version, int(loaded))
-            return
+        if loaded is not None and w.weight_version < int(loaded):  # a replayed or late old update never rolls back
+            raise Reject(f"weights version {w.weight_version} is older than the loaded version {int(loaded)} "
+                         "(a replay or a late redelivery): the engines keep what they have")
         why = await refusal(self.bus.redis, s, await run_secret(self.bus.redis, s), w)
         if why is not None:
             raise Reject(f"weights version {w.weight_version} at {w.path} refused: {why}")
