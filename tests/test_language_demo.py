@@ -78,6 +78,19 @@ def test_dialogue_is_the_guessers_token_exact_view() -> None:
     assert int((rows > 0).sum()) == len(ex.targets) and float(rows.max()) == pytest.approx(1.0)
 
 
+def test_show_range_feedback_and_instructions() -> None:
+    env = GuessNumber({**GUESS_PARAMS, "instructions": "Reply with one integer."}, 11)
+    assert env.system_prompt("guesser") == "Reply with one integer."
+    assert GuessNumber(GUESS_PARAMS, 11).system_prompt("guesser") is None
+    low = env.target - 1 if env.target > 1 else None
+    if low is not None:
+        asyncio.run(env.step("guesser", str(low)))
+        assert env.observation("guesser") == f"{low} is too low; {env.target}-100."
+    plain = GuessNumber({"low": 1, "high": 100}, 11)
+    asyncio.run(plain.step("guesser", "100" if plain.target < 100 else "1"))
+    assert ";" not in plain.observation("guesser")
+
+
 def test_init_demo_takes_the_guess_task() -> None:
     args = build_parser().parse_args(["init-demo", "--task", "guess"])
     assert args.task == "guess" and args.out_dir is None

@@ -185,12 +185,12 @@ async def eval_guesser(players: EnginePlayers, agent: str, games: int, temperatu
 
 def eval_guess_model(model_dir: str | Path, games: int, temperature: float) -> dict[str, float]:
     threads = torch.get_num_threads()
-    players = EnginePlayers({"guess": Engine(model_dir)})
-    torch.set_num_threads(threads)
+    players = EnginePlayers({"guess": Engine(model_dir)})  # one thread: a tiny model only spins on more
     try:
         return asyncio.run(eval_guesser(players, "guess", games, temperature))
     finally:
         players.stop()
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- warm-start
@@ -240,6 +240,8 @@ def warmstart_guess(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAM
             print(f"{msg} ({time.perf_counter() - start:.1f}s)", flush=True)
 
     out = create_tiny_model(out_dir, seed=seed, hidden=hidden, layers=layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only spin (15x slower on a loaded 2-core machine)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -249,6 +251,7 @@ def warmstart_guess(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAM
     log(f"{games} synthetic dialogues, {sum(len(ex.tokens) for ex, _ in data)} tokens")
     losses = train_supervised(model, data, tokenizer.pad_token_id, epochs, lr, batch_size, seed, log)
     torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(threads)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     stats: dict[str, Any] = dict(eval_guess_model(out, eval_games, 1.0)) if eval_games else {}

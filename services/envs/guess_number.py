@@ -37,6 +37,8 @@ class GuessNumberParams(EnvParams):
     turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="per guess")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0, description="per reply that is not an integer in range")
     show_range: bool = Field(False, description="the feedback also states the range the answers so far allow")
+    instructions: str = Field("", max_length=2000, description="a system message for the guesser (for a real "
+                              "chat model, e.g. 'Reply with only your guess, one integer.'); empty: none")
 
     @field_validator("high")
     @classmethod
@@ -69,6 +71,9 @@ class GuessNumber(Environment[GuessNumberParams]):
 
     def observation(self, role: str) -> str:
         return self.feedback
+
+    def system_prompt(self, role: str) -> str | None:
+        return self.params.instructions or None
 
     async def step(self, role: str, reply: str) -> StepResult:
         self.turns += 1
