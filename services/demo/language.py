@@ -154,7 +154,8 @@ def collate_soft(batch: list[tuple[Example, list[list[tuple[int, float]] | list[
 
 def guess_stats(results: list[EpisodeResult], max_turns: int) -> dict[str, float]:
     """Mean guesses (± standard error) of the games that found the number, the failure rate (not found
-    within ``max_turns``), format failures per game and mean reward."""
+    within ``max_turns``), format failures per game and per reply, mean turns (a game not found counts
+    ``max_turns``) and mean reward."""
     found = [r.summary["turns"] for r in results if r.summary.get("found")]
     n = max(len(found), 1)
     mean = sum(found) / n
@@ -162,6 +163,8 @@ def guess_stats(results: list[EpisodeResult], max_turns: int) -> dict[str, float
     return {"games": len(results), "mean_guesses": mean, "se_guesses": (var / n) ** 0.5,
             "fail_rate": 1.0 - len(found) / max(len(results), 1),
             "format_per_game": sum(r.summary.get("malformed", 0) for r in results) / max(len(results), 1),
+            "format_rate": (sum(r.summary.get("malformed", 0) for r in results)
+                            / max(sum(r.summary["turns"] for r in results), 1)),
             "mean_turns": sum(r.summary["turns"] for r in results) / max(len(results), 1),
             "max_turns": max_turns,
             "mean_reward": sum(r.rewards.get("guesser", 0.0) for r in results) / max(len(results), 1)}
