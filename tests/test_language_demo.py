@@ -105,16 +105,16 @@ def test_tiny_warmstart_writes_a_model(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_warm_guess_model_plays_legal_games(tmp_path: Path) -> None:
-    """A small warm start (about a minute on a quiet 2-core machine), then seeded held-out games through
-    ``play_episode``: every game runs to its end, nearly every reply is an integer in 1-100, and some
-    games find the number."""
-    out = warmstart_guess(tmp_path / "m", games=300, epochs=2, eval_games=0, verbose=False)
+    """A smaller warm start than the default (a minute or two on a quiet 2-core machine), then seeded
+    held-out games through ``play_episode``: every game runs to its end, nearly every reply is an
+    integer in 1-100, and some games find the number."""
+    out = warmstart_guess(tmp_path / "m", games=600, epochs=3, eval_games=0, verbose=False)
     players = EnginePlayers({"g": Engine(out)})
     try:
         stats = asyncio.run(eval_guesser(players, "g", 40, 1.0))
     finally:
         players.stop()
     assert stats["games"] == 40
-    assert stats["format_rate"] <= 0.2, stats
+    assert stats["format_rate"] <= 0.1, stats
     assert stats["fail_rate"] < 1.0, stats
     assert 1 <= stats["mean_guesses"] <= stats["mean_turns"] <= GUESS_PARAMS["max_turns"]

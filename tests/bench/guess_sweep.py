@@ -76,7 +76,8 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     random.seed(seed)
     torch.manual_seed(seed)
     algo = AlgorithmConfig(lr=args.lr, clip_eps_low=args.clip, clip_eps_high=args.clip_high or args.clip,
-                           epochs=1, minibatches=args.minibatches, kl_coef=args.kl)
+                           epochs=1, minibatches=args.minibatches, kl_coef=args.kl,
+                           entropy_coef=args.entropy)
     policy = TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + 1), temperature=1.0)
     players = EnginePlayers({AGENT: Engine(args.model, weight_version=0)})
     torch.set_num_threads(args.threads)  # the engine asks for one; more only spin on a tiny model
@@ -125,6 +126,7 @@ def main() -> None:
     ap.add_argument("--clip-high", type=float, default=0.28)
     ap.add_argument("--minibatches", type=int, default=1)
     ap.add_argument("--kl", type=float, default=0.0)
+    ap.add_argument("--entropy", type=float, default=0.0, help="entropy bonus coefficient")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (engine and trainer)")
     ap.add_argument("--eval-games", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=10)
