@@ -10,6 +10,8 @@ Rewards (role ``guesser``)
 * ``-format_penalty`` per reply that is not an integer in range; the episode
   goes on (the reply costs a turn).
 After ``max_turns`` replies without finding it the episode ends with no bonus.
+With ``show_range`` the feedback also states the range the answers so far allow
+("50 is too low; 51-100."), so a small model need not track it over the whole history.
 
 Scripted players: ``bisect`` (binary search: optimal) and ``random``.
 """
@@ -34,6 +36,9 @@ class GuessNumberParams(EnvParams):
     max_turns: int = Field(6, ge=1, le=100)
     turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="per guess")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0, description="per reply that is not an integer in range")
+    show_range: bool = Field(False, description="the feedback also states the range the answers so far allow")
+    instructions: str = Field("", max_length=2000, description="a system message for the guesser (for a real "
+                              "chat model, e.g. 'Reply with only your guess, one integer.'); empty: none")
 
     @field_validator("high")
     @classmethod
@@ -67,6 +72,9 @@ class GuessNumber(Environment[GuessNumberParams]):
     def observation(self, role: str) -> str:
         return self.feedback
 
+    def system_prompt(self, role: str) -> str | None:
+        return self.params.instructions or None
+
     async def step(self, role: str, reply: str) -> StepResult:
         self.turns += 1
         m = NUMBER.match(reply)
@@ -84,10 +92,11 @@ class GuessNumber(Environment[GuessNumberParams]):
                 return StepResult(done=True, rewards={"guesser": 1.0}, turn_rewards=turn, info=info)
             if guess < self.target:
                 self.lo = max(self.lo, guess + 1)
-                self.feedback = f"{guess} is too low."
+                self.feedback = f"{guess} is too low"
             else:
                 self.hi = min(self.hi, guess - 1)
-                self.feedback = f"{guess} is too high."
+                self.feedback = f"{guess} is too high"
+            self.feedback += f"; {self.lo}-{self.hi}." if self.params.show_range else "."
         if self.turns >= self.params.max_turns:
             return StepResult(done=True, rewards={"guesser": 0.0}, turn_rewards=turn, info=info)
         return StepResult(done=False, turn_rewards=turn, info=info)

@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_val = sub.add_parser("validate", help="check a config and exit")
     p_val.add_argument("config")
     p_demo = sub.add_parser("init-demo", help="create and warm-start the demo model (skipped if present)")
-    p_demo.add_argument("out_dir", nargs="?", default="models/demo-ttt")
+    p_demo.add_argument("out_dir", nargs="?", default=None, help="default models/demo-ttt (--task guess: "
+                        "models/demo-guess)")
+    p_demo.add_argument("--task", choices=["tictactoe", "guess"], default="tictactoe",
+                        help="tictactoe: the two-agent demo's model; guess: the guess-the-number language demo's")
     p_demo.add_argument("--force", action="store_true")
     sub.add_parser("envs", help="list the registered environments with their roles")
     sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
@@ -48,14 +51,20 @@ def pass_through(argv: list[str]) -> None:
         raise SystemExit(eval_main(argv[1:]))
 
 
-def init_demo(out_dir: str, force: bool) -> None:
+def init_demo(out_dir: str | None, force: bool, task: str = "tictactoe") -> None:
     from pathlib import Path
 
-    from services.demo.warmstart import warmstart
-
+    out_dir = out_dir or ("models/demo-guess" if task == "guess" else "models/demo-ttt")
     if (Path(out_dir) / "model.safetensors").exists() and not force:
         print(f"demo model already at {out_dir}")
         return
+    if task == "guess":
+        from services.demo.language import warmstart_guess
+
+        warmstart_guess(out_dir)
+        return
+    from services.demo.warmstart import warmstart
+
     warmstart(out_dir)
 
 
@@ -72,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("runs", "compare"):
         raise SystemExit(run_command(args))
     if args.command == "init-demo":
-        return init_demo(args.out_dir, args.force)
+        return init_demo(args.out_dir, args.force, args.task)
     mode = "validate" if args.command == "validate" else (
         "resume" if args.resume else "fresh" if args.fresh else "new")
     try:

@@ -1,0 +1,145 @@
+"""In-process RL of the guess-the-number demo model: does the mean number of guesses fall?
+
+One agent, a ``TorchPolicy`` on the warm-started model (``services/demo/language.py``) with an
+in-process inference ``Engine`` serving its weights, plays guess-the-number (1-100, feedback with
+the range left) through services/play, the way the distributed system does: per step,
+``--groups`` GRPO groups of G games from one seed (``make_group``: same hidden number), every
+episode played by ``play_episode`` (the coordinator's loop, renderer and sampler; replies sampled
+at temperature 1, each turn seeded); the samples (``EpisodeResult.samples``) go through
+``TorchPolicy.train_step`` and the new weights are loaded into the engine as the next version.
+Before training and every ``--eval-every`` steps the model plays the held-out evaluation
+(services/play, seeded, temperature 1): mean guesses of the games that found the number ± SE, the
+rate of games not found within the turn limit, format failures per game.
+
+    python tests/bench/guess_sweep.py --model models/demo-guess --steps 30 --seeds 0 1 2 --out guess.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
+
+from services.contracts.config import AgentConfig, AlgorithmConfig  # noqa: E402
+from services.contracts.messages import Sample, SamplingParams  # noqa: E402
+from services.contracts.players import AgentPlayer, Player  # noqa: E402
+from services.demo.language import GUESS_PARAMS, MAX_NEW_TOKENS, eval_guesser, guess_stats  # noqa: E402
+from services.envs.guess_number import GuessNumber  # noqa: E402
+from services.inference.generator import Engine  # noqa: E402
+from services.play.episode import EpisodeResult  # noqa: E402
+from services.play.local import EnginePlayers  # noqa: E402
+from services.training.torch_backend import TorchPolicy  # noqa: E402
+
+AGENT = "A"
+
+
+async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int, step: int,
+                    ) -> list[tuple[str, EpisodeResult]]:
+    """All groups of one step at once; (group id, result) per episode."""
+    me = AgentPlayer(agent=AGENT)
+    roles: dict[str, Player] = {"guesser": me}
+    jobs = []
+    for g in range(args.groups):
+        env_seed = seed * 1_000_000 + step * 1000 + g
+        for n, env in enumerate(GuessNumber.make_group(GUESS_PARAMS, env_seed, args.G)):
+            episode_seed = (env_seed * 100 + n) % 2**62
+            sampling = {me: SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=episode_seed)}
+            gid = f"s{step}-g{g}"
+            jobs.append((gid, players.play(env, f"{gid}-e{n}", gid, roles, sampling, "train",
+                                           random.Random(episode_seed))))
+    results = await asyncio.gather(*(j for _, j in jobs))
+    return [(gid, r) for (gid, _), r in zip(jobs, results, strict=True)]
+
+
+def build_samples(results: list[tuple[str, EpisodeResult]]) -> list[Sample]:
+    groups: dict[str, list[EpisodeResult]] = {}
+    for gid, r in results:
+        groups.setdefault(gid, []).append(r)
+    out = []
+    for done in groups.values():
+        count = sum(1 for r in done for v in r.views.values() if any(v.loss_mask))
+        out += [s for r in done for s in r.samples({AGENT: count})]
+    return out
+
+
+async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    algo = AlgorithmConfig(lr=args.lr, clip_eps_low=args.clip, clip_eps_high=args.clip_high or args.clip,
+                           epochs=1, minibatches=args.minibatches, kl_coef=args.kl,
+                           entropy_coef=args.entropy)
+    policy = TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + 1), temperature=1.0)
+    players = EnginePlayers({AGENT: Engine(args.model, weight_version=0)})
+    torch.set_num_threads(args.threads)  # the engine asks for one; more only spin on a tiny model
+    history: list[dict[str, Any]] = []
+    weights = Path(tempfile.mkdtemp(prefix="guess_sweep_"))
+
+    async def log_eval(step: int) -> None:
+        t0 = time.perf_counter()
+        ev = await eval_guesser(players, AGENT, args.eval_games, 1.0)
+        row = {"step": step, "eval_seconds": round(time.perf_counter() - t0, 1),
+               **{k: round(v, 4) for k, v in ev.items()}}
+        history.append(row)
+        print(json.dumps(row), flush=True)
+
+    await log_eval(0)
+    step_times = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        results = await play_step(players, args, seed, step)
+        t_gen = time.perf_counter() - t0
+        metrics = policy.train_step(build_samples(results))
+        path, _ = policy.save(weights / AGENT)
+        await players.engines[AGENT].update_weights(str(path), policy.weight_version)
+        step_times.append(time.perf_counter() - t0)
+        train = guess_stats([r for _, r in results], int(GUESS_PARAMS["max_turns"]))
+        print(json.dumps({"step": step + 1, "seconds": round(step_times[-1], 1), "gen_s": round(t_gen, 1),
+                          "train_mean_guesses": round(train["mean_guesses"], 2),
+                          "train_fail": round(train["fail_rate"], 3), "train_format": train["format_per_game"],
+                          **{k: round(metrics[k], 4) for k in ("reward_mean", "clip_frac", "grad_norm")}}),
+              flush=True)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            await log_eval(step + 1)
+    players.stop()
+    return {"seed": seed, "history": history, "mean_step_seconds": sum(step_times) / max(len(step_times), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="warm-started model directory")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--G", type=int, default=8, help="group size")
+    ap.add_argument("--groups", type=int, default=4, help="groups per batch")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--clip-high", type=float, default=0.28)
+    ap.add_argument("--minibatches", type=int, default=1)
+    ap.add_argument("--kl", type=float, default=0.0)
+    ap.add_argument("--entropy", type=float, default=0.0, help="entropy bonus coefficient")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (engine and trainer)")
+    ap.add_argument("--eval-games", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    args = ap.parse_args()
+    results = []
+    for seed in args.seeds:
+        print(f"== seed {seed} ==", flush=True)
+        results.append(asyncio.run(run(args, seed)))
+        print(f"mean step seconds {results[-1]['mean_step_seconds']:.2f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
