@@ -20,8 +20,10 @@ import argparse
 import copy
 import json
 import re
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,8 +203,14 @@ def run_sub(sub: SubRun, redo: bool) -> int:
     log_path = sub.config_path.with_suffix(".log")
     print(f"[sweep] {sub.name}: tandem up {sub.config_path} --fresh (log {log_path})", flush=True)
     with open(log_path, "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(sub.config_path), "--fresh"],
-                              stdout=out, stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(sub.config_path), "--fresh"],
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: `tandem up` stops its services, then the sweep stops
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+            raise
     print(f"[sweep] {sub.name}: exit {proc.returncode}", flush=True)
     return proc.returncode
 
@@ -233,14 +241,25 @@ def sweep_command(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     failed = []
-    if not args.report_only:
-        for i, s in enumerate(subs, 1):
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the sweep like Ctrl-C
+        signal.signal(signal.SIGTERM, _interrupt)
+    code = 0
+    try:
+        for i, s in enumerate([] if args.report_only else subs, 1):
             print(f"[sweep] {i}/{len(subs)}", flush=True)
             if run_sub(s, args.redo) != 0:
                 failed.append(s.name)
+    except KeyboardInterrupt:
+        print("[sweep] interrupted: the report covers the sub-runs done so far (run the same command to go on)",
+              file=sys.stderr)
+        code = 130
     md, js, png = write_report(subs, Path(subs[0].cfg.run.output_dir), name)
     print(md.read_text())
     print(f"table: {md}\njson: {js}\nplot: {png}")
     if failed:
         print(f"[sweep] failed sub-runs: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    return code or (1 if failed else 0)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -106,7 +106,7 @@ def aggregate(subs: list[SubRun]) -> dict[str, Any]:
             s["missing"].append(sub.name)
             continue
         s["runs"].append(sub.name)
-        opp = _opp(sub.cfg.environment.eval.opponent, "eval")
+        opp = _opp(getattr(sub.cfg.environment.eval, "opponent", None), "eval")
         for (agent, opponent), se in start_end(eval_points(summary, opp)).items():
             a = (summary.get("agents") or {}).get(agent) or {}
             s["cells"][(agent, opponent)].append({"seed": sub.seed, "start": se["start"]["score"],
