@@ -1,5 +1,5 @@
 """``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``, ``serve``, ``runs``,
-``compare``."""
+``compare``, ``sweep``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from services.contracts.config import ConfigError, load_config
 from services.launcher.preflight import preflight
 from services.launcher.runs import add_run_commands, run_command
+from services.launcher.sweep import add_sweep_command, sweep_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("serve", help="serve the Tinker training API (tandem serve [CONFIG] [--port N])", add_help=False)
     add_run_commands(sub)
+    add_sweep_command(sub)
     return parser
 
 
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command in ("runs", "compare"):
         raise SystemExit(run_command(args))
+    if args.command == "sweep":
+        raise SystemExit(sweep_command(args))
     if args.command == "init-demo":
         return init_demo(args.out_dir, args.force, args.task)
     mode = "validate" if args.command == "validate" else (
