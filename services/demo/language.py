@@ -23,7 +23,6 @@ CLI: ``tandem init-demo --task guess models/demo-guess`` or
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -38,7 +37,7 @@ from services.contracts.config import EnvironmentConfig
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player
 from services.demo.tiny_model import create_tiny_model
-from services.demo.warmstart import Example, collate, soft_cross_entropy
+from services.demo.warmstart import Example, collate, soft_cross_entropy, warmstart_parser
 from services.envs.base import Environment
 from services.envs.guess_number import GuessNumber
 from services.envs.render import ChatRenderer
@@ -272,14 +271,8 @@ def warmstart_guess(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAM
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--games", type=int, default=DEFAULT_GAMES)
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN)
-    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR)
+    parser = warmstart_parser(__doc__.split("\n")[0], DEFAULT_GAMES, DEFAULT_EPOCHS, DEFAULT_HIDDEN, DEFAULT_LAYERS,
+                              DEFAULT_LR)
     parser.add_argument("--ignore", type=float, default=DEFAULT_IGNORE)
     parser.add_argument("--eval-games", type=int, default=200)
     args = parser.parse_args(argv)

@@ -233,15 +233,21 @@ def warmstart(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, ep
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def warmstart_parser(description: str, games: int, epochs: int, hidden: int, layers: int,
+                     lr: float) -> argparse.ArgumentParser:
+    """The warm-start command line the demo models share (each with its own defaults)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--games", type=int, default=DEFAULT_GAMES)
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN)
-    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR)
+    for flag, kind, default in (("--games", int, games), ("--epochs", int, epochs), ("--hidden", int, hidden),
+                                ("--layers", int, layers), ("--lr", float, lr)):
+        parser.add_argument(flag, type=kind, default=default)
+    return parser
+
+
+def main() -> None:
+    parser = warmstart_parser(__doc__.split("\n")[0], DEFAULT_GAMES, DEFAULT_EPOCHS, DEFAULT_HIDDEN, DEFAULT_LAYERS,
+                              DEFAULT_LR)
     args = parser.parse_args()
     warmstart(args.out_dir, seed=args.seed, games=args.games, epochs=args.epochs, hidden=args.hidden,
               layers=args.layers, lr=args.lr)

@@ -42,7 +42,7 @@ class RunInfo:
         return rows or [{"run": self.name, "agent": "-", "status": self.status}]
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -56,13 +56,13 @@ def _newest(path: Path) -> float:
 
 
 def load_run(path: Path) -> RunInfo:
-    summary = _read(path / "summary.json")
+    summary = read_json(path / "summary.json")
     modified = _newest(path)
     if summary:
         status = "failed" if summary.get("error") else str(summary.get("phase", "done"))
     else:
         status = "running" if time.time() - modified < ACTIVE_S else "incomplete"
-    return RunInfo(path.name, path, status, summary, _read(path / "metrics.json"), modified)
+    return RunInfo(path.name, path, status, summary, read_json(path / "metrics.json"), modified)
 
 
 def list_runs(output_dir: Path) -> list[RunInfo]:

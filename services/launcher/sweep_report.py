@@ -16,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.launcher.runs import read_json
+
 if TYPE_CHECKING:
     from services.launcher.sweep import SubRun
 
@@ -101,7 +103,7 @@ def aggregate(subs: list[SubRun]) -> dict[str, Any]:
     for sub in subs:
         s = setups.setdefault(sub.setup, {"runs": [], "missing": [], "cells": defaultdict(list),
                                           "train": {n: a.train for n, a in sub.cfg.agents.items()}})
-        summary = _read(sub.run_dir / "summary.json")
+        summary = read_json(sub.run_dir / "summary.json")
         if summary.get("phase") != "done" or summary.get("error"):
             s["missing"].append(sub.name)
             continue
@@ -131,12 +133,6 @@ def _row(agent: str, opponent: str, trains: bool, cells: list[dict[str, Any]]) -
     return row
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 COLS = ("set-up", "agent", "opponent", "seeds", "step", "start", "final", "final − start", "eval illegal",

@@ -39,6 +39,7 @@ from services.inference.generator import Engine  # noqa: E402
 from services.play.episode import EpisodeResult  # noqa: E402
 from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
+from tests.bench.rl_sweep import run_seeds  # noqa: E402
 
 AGENT = "A"
 
@@ -131,14 +132,7 @@ def main() -> None:
     ap.add_argument("--eval-games", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--out", default="", help="write the results as JSON here")
-    args = ap.parse_args()
-    results = []
-    for seed in args.seeds:
-        print(f"== seed {seed} ==", flush=True)
-        results.append(asyncio.run(run(args, seed)))
-        print(f"mean step seconds {results[-1]['mean_step_seconds']:.2f}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    run_seeds(ap.parse_args(), run)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,14 +154,20 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-temps", nargs="+", default=["1", "0"])
     ap.add_argument("--out", default="", help="write the results as JSON here")
-    args = ap.parse_args()
+    run_seeds(ap.parse_args(), run)
+
+
+def run_seeds(args: argparse.Namespace, run_one: Callable[[argparse.Namespace, int], Awaitable[dict[str, Any]]]
+              ) -> list[dict[str, Any]]:
+    """Run ``run_one`` for each of ``args.seeds`` and write the results to ``args.out`` when given."""
     results = []
     for seed in args.seeds:
         print(f"== seed {seed} ==", flush=True)
-        results.append(asyncio.run(run(args, seed)))
+        results.append(asyncio.run(run_one(args, seed)))
         print(f"mean step seconds {results[-1]['mean_step_seconds']:.2f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return results
 
 
 if __name__ == "__main__":
