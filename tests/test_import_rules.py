@@ -33,3 +33,40 @@ def test_services_never_import_each_other_and_contracts_import_no_service():
             if package == "contracts" or imported in SERVICES:
                 problems.append(f"{path.relative_to(ROOT.parent)} imports services.{imported}")
     assert not problems, "\n".join(problems)
+
+
+# A fresh process imports the coordinator, the buffer and the launcher, then does what the coordinator
+# does at start (tokenizers, context windows, a chat turn, TensorBoard's writer): no torch (issue 16.5).
+NO_TORCH_CHILD = """
+import sys
+import services.buffer.__main__, services.launcher.cli
+assert "transformers" not in sys.modules, "the buffer and the launcher import transformers"
+import services.coordinator.__main__
+from services.common.bus import Bus
+from services.contracts.config import parse_config
+from services.coordinator.scheduler import Coordinator
+from services.coordinator.tracking import RunLogger
+from services.envs.render import render_user_turn
+model, out = sys.argv[1], sys.argv[2]
+agent = {"model_path": model}
+cfg = parse_config({"run": {"name": "imports", "output_dir": out}, "redis_url": "redis://127.0.0.1:1",
+                    "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "B"}},
+                    "agents": {"A": agent, "B": agent}})
+coord = Coordinator(cfg, Bus(cfg.redis_url, "imports", "coordinator"))
+assert render_user_turn(coord.tokenizers["A"], "hello") and coord.context["A"] > 0
+logger = RunLogger(cfg)
+logger.open()
+logger.tb.add_scalar("A/train/loss", 0.5, global_step=1)
+logger.tb.close()
+print("torch" in sys.modules)
+"""
+
+
+def test_coordinator_buffer_and_launcher_start_without_torch(tiny_model_dir: Path, tmp_path: Path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", NO_TORCH_CHILD, str(tiny_model_dir), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"], "torch was imported at the coordinator's start"

@@ -21,9 +21,8 @@ import random
 import time
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from services.common.bus import Bus
+from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
@@ -35,7 +34,7 @@ from services.coordinator.report import write_report
 from services.coordinator.state import RunState, finite
 from services.envs.registry import check_environment_config
 from services.play.episode import EpisodeResult, play_episode
-from services.play.local import LocalPlayers, context_length
+from services.play.local import LocalPlayers  # torch is imported when a Local player first plays
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -50,8 +49,7 @@ class Coordinator:
         self.cfg, self.bus, self.name = cfg, bus, name
         self.state = RunState.from_config(cfg)
         self.env_cls = check_environment_config(cfg.environment)
-        self.tokenizers: dict[str, Any] = {a: AutoTokenizer.from_pretrained(c.model_path)
-                                           for a, c in cfg.agents.items()}
+        self.tokenizers: dict[str, Any] = {a: load_tokenizer(c.model_path) for a, c in cfg.agents.items()}
         self.local = LocalPlayers()
         self.context: dict[str, int] = {a: context_length(c.model_path) for a, c in cfg.agents.items()}
         # opponent pool: each agent's weight versions as they load (version 0 is the start model)

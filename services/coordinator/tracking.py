@@ -95,7 +95,7 @@ class RunLogger:
             return
         self.opened = True
         if self.opts.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from services.coordinator.tb_writer import SummaryWriter  # torch-free
 
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), flush_secs=10)
         if self.opts.wandb is not None and self.opts.wandb.mode != "disabled":

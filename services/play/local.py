@@ -6,6 +6,10 @@ produced a token). ``LocalPlayers`` plays ``Local`` players (fixed weights from 
 versions of an opponent pool, ``tandem eval`` checkpoints): one engine per directory, created on
 first use, a few kept (the least recently used idle one is stopped). Concurrent episodes' turns
 share the engine's running batch. Nothing a ``Local`` player generates is trained on.
+
+Importing this module imports no torch (the coordinator imports it, docs/architecture.md §1): the
+inference library's ``Engine`` is imported when the first engine is made, tokenizers and context windows
+come from ``services.common.tokens``.
 """
 
 from __future__ import annotations
@@ -14,33 +18,29 @@ import asyncio
 import random
 import threading
 from collections import OrderedDict
-from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoConfig, AutoTokenizer
-
+from services.common.tokens import context_length, load_tokenizer
 from services.contracts.messages import GenerateReply, GenerateRequest, SamplingParams
 from services.contracts.players import AgentPlayer, Local, Player
 from services.envs.base import Environment
-from services.inference.generator import Engine, GenRequest
 from services.play.episode import EpisodeResult, play_episode
 
+if TYPE_CHECKING:
+    from services.inference.generator import Engine
 
-@lru_cache(maxsize=64)
-def context_length(model_path: str) -> int:
-    """A model's context window (a prompt that reaches it ends the episode as truncated)."""
-    cfg = AutoConfig.from_pretrained(model_path)
-    return int(getattr(cfg, "max_position_embeddings", None) or 1 << 62)
+__all__ = ["EnginePlayers", "LocalPlayers", "context_length", "generate_on", "tokenizer"]
 
 
-@lru_cache(maxsize=64)
 def tokenizer(model_path: str) -> Any:
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 async def generate_on(engine: Engine, req: GenerateRequest, label: str,
                       weight_version: int | None = None) -> GenerateReply:
     """Run ``req`` on an in-process engine; ``weight_version`` overrides the engine's (a fixed -1)."""
+    from services.inference.generator import GenRequest  # imported with the engine already
+
     sp = req.sampling
     done = await engine.generate(GenRequest(
         rid=req.id, input_ids=list(req.input_ids), temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
@@ -79,6 +79,8 @@ class LocalPlayers:
                 self.engines.move_to_end(path)
                 return self.engines[path]
             try:
+                from services.inference.generator import Engine  # torch: only where a model runs
+
                 engine = self.engines[path] = Engine(path, weight_version=-1, max_batch=self.max_batch)
             except Exception:
                 self.users[path] -= 1
