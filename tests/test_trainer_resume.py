@@ -11,6 +11,7 @@ also shows the optimizer, scheduler and version were restored exactly.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,12 +24,13 @@ import redis
 import torch
 import yaml
 
-from services.contracts.codec import FIELD, decode, encode
+from services.common.bus import Bus
+from services.contracts.codec import FIELD, decode
 from services.contracts.config import load_config
 from services.contracts.messages import Batch, Event, Sample
 from services.contracts.streams import Streams
 from services.training.backends import make_policy
-from tests.helpers import make_sample, wait_until
+from tests.helpers import emit, make_sample, wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +50,14 @@ def samples() -> list[Sample]:
             out.append(make_sample(f"g{g}", float(k), id=f"s{g}-{k}", episode_id=f"e{g}-{k}", tokens=tokens,
                                    loss_mask=mask, logprobs=[-5.5 * m for m in mask]))
     return out
+
+
+async def emit_all(redis_url: str, run: str) -> None:
+    bus = Bus(redis_url, run, "coordinator")
+    try:
+        await emit(bus, *samples())
+    finally:
+        await bus.close()
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
@@ -76,8 +86,7 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
 
     try:
         start("buffer")
-        for x in samples():
-            r.xadd(s.samples("A"), {FIELD: encode(x)})
+        asyncio.run(emit_all(redis_url, run))  # as the coordinator emits: entries and their ledger records
         # (1) kill -9 from outside as soon as the first version is committed, wherever the trainer then is
         t = start("trainer")
         wait(lambda: published() >= 1, 90, "version 1")
