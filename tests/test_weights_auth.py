@@ -15,7 +15,6 @@ from services.common.weights_auth import SECRET_ENV, refusal, run_secret, sign, 
 from services.contracts.codec import FIELD, decode
 from services.contracts.config import AgentConfig, parse_config
 from services.contracts.messages import Batch, DeadLetter, Sample, WeightsUpdate
-from services.rollout.engine_client import EngineClientError
 from services.rollout.fleet import EngineFleet
 from services.rollout.service import RolloutService
 from services.trainer.service import TrainerService
@@ -95,11 +94,15 @@ async def test_the_trainer_signs_what_it_publishes_and_only_that_passes(redis_ur
 
 
 async def test_the_fleet_records_a_version_only_once_it_loaded(tiny_model_dir: Path) -> None:
-    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=1), health_timeout=2.0)
-    fleet.engines[0].registered = True  # registered, but nothing listens on its port: the load fails
-    with pytest.raises(EngineClientError):
-        await fleet.load_weights(str(tiny_model_dir), 3)
-    assert fleet.latest is None and fleet.engines[0].weight_version == 0
+    """An engine gone under a load (registered, but nothing listens on its port) is not recorded on the version:
+    the fleet deregisters it, keeps the version for its rejoin, and reports no engine loaded once none rejoined
+    in time (the rollout then retries the update and records nothing)."""
+    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=1), health_timeout=2.0,
+                        start_timeout=1.0)
+    fleet.engines[0].registered = True
+    assert await fleet.load_weights(str(tiny_model_dir), 3) == []
+    assert fleet.engines[0].weight_version == 0 and not fleet.engines[0].registered
+    assert fleet.latest == (str(tiny_model_dir), 3)  # what the engine loads when it rejoins
     await fleet.close()
 
 
