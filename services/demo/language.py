@@ -37,7 +37,7 @@ from services.contracts.config import EnvironmentConfig
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player
 from services.demo.tiny_model import create_tiny_model
-from services.demo.warmstart import Example, collate, soft_cross_entropy, warmstart_parser
+from services.demo.warmstart import Example, collate, train_supervised, warmstart_parser
 from services.envs.base import Environment
 from services.envs.guess_number import GuessNumber
 from services.envs.render import ChatRenderer
@@ -200,38 +200,6 @@ def eval_guess_model(model_dir: str | Path, games: int, temperature: float) -> d
 # ---------------------------------------------------------------- warm-start
 
 
-def train_supervised(model: Any, data: list[Any], pad_id: int, epochs: int, lr: float, batch_size: int,
-                     seed: int, log: Any = None) -> list[float]:
-    """AdamW with warm-up and linear decay over ``data`` (``(Example, weights)`` pairs); per-epoch losses."""
-    total_steps = epochs * ((len(data) + batch_size - 1) // batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, total_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / total_steps))
-    model.train()
-    order_rng = random.Random(seed + 1)
-    epoch_losses = []
-    for epoch in range(epochs):
-        order = list(range(len(data)))
-        order_rng.shuffle(order)
-        losses = []
-        for b in range(0, len(order), batch_size):
-            ids, attn, dist = collate_soft([data[i] for i in order[b:b + batch_size]], pad_id,
-                                           model.config.vocab_size)
-            loss = soft_cross_entropy(model(input_ids=ids, attention_mask=attn).logits[:, :-1], dist)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-        epoch_losses.append(sum(losses) / len(losses))
-        if log:
-            log(f"epoch {epoch + 1}/{epochs}: loss {epoch_losses[-1]:.4f}")
-    model.eval()
-    return epoch_losses
-
-
 def warmstart_guess(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, epochs: int = DEFAULT_EPOCHS,
                     hidden: int = DEFAULT_HIDDEN, layers: int = DEFAULT_LAYERS, lr: float = DEFAULT_LR,
                     batch_size: int = DEFAULT_BATCH, ignore: float = DEFAULT_IGNORE, eval_games: int = 200,
@@ -253,7 +221,9 @@ def warmstart_guess(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAM
     rng = random.Random(seed)
     data = [dialogue_example(tokenizer, rng, seed * 1_000_003 + g, ignore) for g in range(games)]
     log(f"{games} synthetic dialogues, {sum(len(ex.tokens) for ex, _ in data)} tokens")
-    losses = train_supervised(model, data, tokenizer.pad_token_id, epochs, lr, batch_size, seed, log)
+    vocab = model.config.vocab_size
+    losses = train_supervised(model, data, lambda batch: collate_soft(batch, tokenizer.pad_token_id, vocab),
+                              epochs, lr, batch_size, seed, lambda e, v: log(f"epoch {e + 1}/{epochs}: loss {v:.4f}"))
     torch.use_deterministic_algorithms(False)
     torch.set_num_threads(threads)
     model.save_pretrained(out, safe_serialization=True)

@@ -24,6 +24,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -179,6 +180,40 @@ def eval_model(model_dir: str | Path, games: int, temperature: float, opponent: 
 # ---------------------------------------------------------------- warm-start
 
 
+def train_supervised(model: Any, data: list[Any], collate_fn: Callable[[list[Any]], tuple[torch.Tensor, ...]],
+                     epochs: int, lr: float, batch_size: int, seed: int,
+                     on_epoch: Callable[[int, float], None] | None = None) -> list[float]:
+    """Soft cross-entropy by AdamW with warm-up and linear decay over ``data`` in seeded shuffled batches
+    (``collate_fn`` makes ids, attention mask and target distributions); the per-epoch mean losses. Leaves the
+    model in eval mode. Both demo models' warm starts train through it."""
+    total_steps = epochs * ((len(data) + batch_size - 1) // batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, total_steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / total_steps))
+    model.train()
+    order_rng = random.Random(seed + 1)
+    epoch_losses = []
+    for epoch in range(epochs):
+        order = list(range(len(data)))
+        order_rng.shuffle(order)
+        losses = []
+        for b in range(0, len(order), batch_size):
+            ids, attn, dist = collate_fn([data[i] for i in order[b:b + batch_size]])
+            loss = soft_cross_entropy(model(input_ids=ids, attention_mask=attn).logits[:, :-1], dist)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+        epoch_losses.append(sum(losses) / len(losses))
+        if on_epoch is not None:
+            on_epoch(epoch, epoch_losses[-1])
+    model.eval()
+    return epoch_losses
+
+
 def warmstart(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, epochs: int = DEFAULT_EPOCHS,
               hidden: int = DEFAULT_HIDDEN, layers: int = DEFAULT_LAYERS, lr: float = DEFAULT_LR,
               batch_size: int = DEFAULT_BATCH, eval_games: int = 400, verbose: bool = True) -> Path:
@@ -194,33 +229,16 @@ def warmstart(out_dir: str | Path, seed: int = 0, games: int = DEFAULT_GAMES, ep
     rng = random.Random(seed)
     examples = [ex for g in range(games) for ex in random_game_examples(tokenizer, rng, seed * 1_000_003 + g)]
     heldout = [ex for g in range(100) for ex in random_game_examples(tokenizer, rng, -1 - g)]
-    total_steps = epochs * ((len(examples) + batch_size - 1) // batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, total_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / total_steps))
-    model.train()
-    order_rng = random.Random(seed + 1)
-    for epoch in range(epochs):
-        order = list(range(len(examples)))
-        order_rng.shuffle(order)
-        losses = []
-        for b in range(0, len(order), batch_size):
-            ids, attn, dist = collate([examples[i] for i in order[b:b + batch_size]],
-                                      tokenizer.pad_token_id, vocab)
-            loss = soft_cross_entropy(model(input_ids=ids, attention_mask=attn).logits[:, :-1], dist)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            sched.step()
-            losses.append(float(loss.detach()))
+
+    def report(epoch: int, loss: float) -> None:
         if verbose:
             mass = legal_mass(model, heldout, tokenizer.pad_token_id)
-            print(f"epoch {epoch + 1}/{epochs}: loss {sum(losses) / len(losses):.4f}, held-out probability "
+            print(f"epoch {epoch + 1}/{epochs}: loss {loss:.4f}, held-out probability "
                   f"on legal cells {mass:.4f} ({time.perf_counter() - start:.1f}s)", flush=True)
+
+    train_supervised(model, examples, lambda batch: collate(batch, tokenizer.pad_token_id, vocab), epochs, lr,
+                     batch_size, seed, report)
     torch.use_deterministic_algorithms(False)
-    model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     stats = eval_model(out, eval_games, 1.0)
