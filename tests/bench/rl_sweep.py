@@ -68,12 +68,12 @@ def group_roles(args: argparse.Namespace, step: int, g: int) -> dict[str, Player
     """Group ``g``'s role map: A against B (sides alternating per group), or one agent against a scripted
     player (``--train-vs``, cycled over the groups; the agent and its side alternate)."""
     pool = opt(args, "train_vs")
-    k = step * args.groups + g
-    other = pool[g % len(pool)]
+    kind = g % len(pool)
+    other = pool[kind]
+    n = step * len(range(kind, args.groups, len(pool))) + g // len(pool)  # its index among the run's groups of its kind
     a, b = AgentPlayer(agent="A"), AgentPlayer(agent="B")
     if other == "partner":
-        return {"X": a, "O": b} if k % 2 == 0 else {"X": b, "O": a}
-    n = k // len(pool)  # this group's index among the groups against scripted players
+        return {"X": a, "O": b} if n % 2 == 0 else {"X": b, "O": a}
     me = AgentPlayer(agent=AGENTS[n % 2])
     return {"X": me, "O": Scripted(name=other)} if (n // 2) % 2 == 0 else {"X": Scripted(name=other), "O": me}
 
