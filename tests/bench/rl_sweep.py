@@ -135,7 +135,7 @@ async def evaluate(players: EnginePlayers, games: int, temps: list[float], oppon
         for o in opponents:
             for t in temps:
                 r = await score_agent(players, name, o, games, t)
-                out[f"{name}@{o}@T{t:g}"] = {"score": round(r["score"], 4), "se": round(r["score_se"], 4),
+                out[f"{name}@{o}@T{t:g}"] = {"score": round(r["score"], 4), "se": round(r["score_se"] or 0.0, 4),
                                              "illegal": round(r["illegal_rate"], 4),
                                              "wdl": [r["wins"], r["draws"], r["losses"]]}
     return out
