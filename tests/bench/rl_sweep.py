@@ -7,9 +7,20 @@ way the distributed system does: per step, ``groups_per_batch`` groups of G game
 coordinator's loop, renderer and sampler; moves sampled at temperature 1, each turn seeded).
 Each agent's ``Sample``s (``EpisodeResult.samples``, group sizes counted as the coordinator
 counts them) go through ``TorchPolicy.train_step``; the new weights are saved and loaded into
-the agent's engine as the next version, as the trainer and rollout do. Both agents are scored
-against the scripted random player (services/play's held-out evaluation: win 1, draw .5, loss or
-illegal 0; half the games as X, half as O) before training and every ``--eval-every`` steps.
+the agent's engine as the next version, as the trainer and rollout do.
+
+``--train-vs`` mixes in groups against the env's scripted players (cycled over a step's groups:
+``partner`` is the A-vs-B game, ``minimax`` or ``random`` a group in which one agent, A and B in
+turn, plays that scripted player; only the agent's side is trained on), a training opponent pool
+the two-agent demo config cannot express but which shows what a strong opponent teaches.
+
+Both agents are scored before training and every ``--eval-every`` steps against each of
+``--eval-opponents`` (default ``random`` and ``minimax``: perfect play, random tie-breaks) at each
+of ``--eval-temps``, by services/play's held-out evaluation (``play_eval`` + ``score``: win 1, draw
+.5, loss or illegal 0; half the games as X, half as O; the same seeded episodes every time): the
+score with its standard error, wins/draws/losses and the illegal-move rate (episodes in which the
+agent's reply was illegal). ``--out`` keeps every evaluation; ``summarize`` below turns the runs of
+several seeds into the mean ± standard error across seeds of each curve's start and end.
 
     python tests/bench/rl_sweep.py --model models/demo-ttt --steps 12 --groups 16 --minibatches 2 --seeds 0 1
 """
@@ -31,32 +42,55 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
 
-from services.contracts.config import AgentConfig, AlgorithmConfig  # noqa: E402
+from services.contracts.config import AgentConfig, AlgorithmConfig, EnvironmentConfig  # noqa: E402
 from services.contracts.messages import Sample, SamplingParams  # noqa: E402
-from services.contracts.players import AgentPlayer, Player  # noqa: E402
-from services.demo.warmstart import MAX_NEW_TOKENS, score_vs_scripted  # noqa: E402
+from services.contracts.players import AgentPlayer, Player, Scripted  # noqa: E402
+from services.demo.warmstart import MAX_NEW_TOKENS  # noqa: E402
+from services.envs.base import Environment  # noqa: E402
 from services.envs.tictactoe import TicTacToe  # noqa: E402
 from services.inference.generator import Engine  # noqa: E402
 from services.play.episode import EpisodeResult  # noqa: E402
+from services.play.evaluation import mean_se, play_eval, score  # noqa: E402
 from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
 
 AGENTS = ("A", "B")
+# Options added after callers (tests/bench/bench_system.py) built their own Namespace: read with ``opt``.
+DEFAULTS: dict[str, Any] = {"train_vs": ["partner"], "eval_opponents": ["random", "minimax"], "entropy_coef": 0.0,
+                            "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant"}
+
+
+def opt(args: argparse.Namespace, name: str) -> Any:
+    return getattr(args, name, DEFAULTS[name])
+
+
+def group_roles(args: argparse.Namespace, step: int, g: int) -> dict[str, Player]:
+    """Group ``g``'s role map: A against B (sides alternating per group), or one agent against a scripted
+    player (``--train-vs``, cycled over the groups; the agent and its side alternate)."""
+    pool = opt(args, "train_vs")
+    kind = g % len(pool)
+    other = pool[kind]
+    n = step * len(range(kind, args.groups, len(pool))) + g // len(pool)  # its index among the run's groups of its kind
+    a, b = AgentPlayer(agent="A"), AgentPlayer(agent="B")
+    if other == "partner":
+        return {"X": a, "O": b} if n % 2 == 0 else {"X": b, "O": a}
+    me = AgentPlayer(agent=AGENTS[n % 2])
+    return {"X": me, "O": Scripted(name=other)} if (n // 2) % 2 == 0 else {"X": Scripted(name=other), "O": me}
 
 
 async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int, step: int,
                     ) -> list[tuple[str, EpisodeResult]]:
     """All groups of one step at once; (group id, result) per episode."""
     params = {"opening_moves": args.opening_moves} if args.opening_moves else {}
-    a, b = AgentPlayer(agent="A"), AgentPlayer(agent="B")
     jobs = []
     for g in range(args.groups):
-        roles: dict[str, Player] = {"X": a, "O": b} if (step * args.groups + g) % 2 == 0 else {"X": b, "O": a}
+        roles = group_roles(args, step, g)
         env_seed = seed * 1_000_000 + step * 1000 + g
         for n, env in enumerate(TicTacToe.make_group(params, env_seed, args.G)):
             episode_seed = (env_seed * 100 + n) % 2**62
             sampling: dict[Player, SamplingParams] = {
-                p: SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=episode_seed) for p in (a, b)}
+                p: SamplingParams(temperature=opt(args, "temperature"), max_new_tokens=MAX_NEW_TOKENS,
+                                  seed=episode_seed) for p in roles.values() if isinstance(p, AgentPlayer)}
             gid = f"s{step}-g{g}"
             jobs.append((gid, players.play(env, f"{gid}-e{n}", gid, roles, sampling, "train",
                                            random.Random(episode_seed))))
@@ -80,8 +114,31 @@ def build_samples(results: list[tuple[str, EpisodeResult]]) -> dict[str, list[Sa
     return out
 
 
-async def evaluate(players: EnginePlayers, games: int, temps: list[float]) -> dict[str, Any]:
-    return {f"{name}@T{t:g}": await score_vs_scripted(players, name, games, t) for name in AGENTS for t in temps}
+async def score_agent(players: EnginePlayers, agent: str, opponent: str, games: int, temperature: float,
+                      ) -> dict[str, Any]:
+    """``agent`` against the scripted ``opponent``: services/play's evaluation report (``score``)."""
+    env_cfg = EnvironmentConfig(name="tictactoe", roles={"X": agent, "O": agent}, alternate_roles=True)
+
+    async def play(env: Environment, gid: str, roles: dict[str, Player], sampling: dict[Player, SamplingParams],
+                   rng: random.Random) -> EpisodeResult:
+        return await players.play(env, gid, gid, roles, sampling, "eval", rng)
+
+    results = await play_eval(TicTacToe, env_cfg, AgentPlayer(agent=agent), ["X", "O"], opponent, games,
+                              SamplingParams(max_new_tokens=MAX_NEW_TOKENS), temperature, play)
+    return score(results, ["X", "O"], opponent)
+
+
+async def evaluate(players: EnginePlayers, games: int, temps: list[float], opponents: list[str]) -> dict[str, Any]:
+    """``agent@opponent@T`` -> score, its standard error, illegal rate and wins/draws/losses."""
+    out = {}
+    for name in AGENTS:
+        for o in opponents:
+            for t in temps:
+                r = await score_agent(players, name, o, games, t)
+                out[f"{name}@{o}@T{t:g}"] = {"score": round(r["score"], 4), "se": round(r["score_se"] or 0.0, 4),
+                                             "illegal": round(r["illegal_rate"], 4),
+                                             "wdl": [r["wins"], r["draws"], r["losses"]]}
+    return out
 
 
 async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -89,9 +146,11 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     algo = AlgorithmConfig(lr=args.lr, clip_eps_low=args.clip, clip_eps_high=args.clip_high or args.clip,
                            epochs=args.epochs, minibatches=args.minibatches, max_grad_norm=args.max_grad_norm,
-                           normalize_std=not args.no_std)
-    policies = {name: TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + i), temperature=1.0)
-                for i, name in enumerate(AGENTS)}
+                           normalize_std=not args.no_std, entropy_coef=opt(args, "entropy_coef"),
+                           kl_coef=opt(args, "kl_coef"), lr_scheduler=opt(args, "lr_scheduler"),
+                           decay_steps=max(args.steps * args.minibatches * args.epochs, 1))
+    policies = {name: TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + i),
+                                  temperature=opt(args, "temperature")) for i, name in enumerate(AGENTS)}
     threads = torch.get_num_threads()
     players = EnginePlayers({name: Engine(args.model, weight_version=0) for name in AGENTS})
     torch.set_num_threads(threads)  # the engines ask for one thread; the trainers keep theirs
@@ -101,10 +160,8 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
     async def log_eval(step: int) -> None:
         t0 = time.perf_counter()
-        ev = await evaluate(players, args.eval_games, temps)
-        row = {"step": step, "eval_seconds": time.perf_counter() - t0,
-               **{k: round(v["score"], 3) for k, v in ev.items()},
-               **{f"{k}_legal": round(v["legal_rate"], 3) for k, v in ev.items()}}
+        ev = await evaluate(players, args.eval_games, temps, opt(args, "eval_opponents"))
+        row = {"step": step, "eval_seconds": round(time.perf_counter() - t0, 1), "eval": ev}
         history.append(row)
         print(json.dumps(row), flush=True)
 
@@ -124,9 +181,12 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         step_times.append(t_step)
         a_x = [r.rewards.get("X", 0.0) for _, r in results if r.roles["X"] == AgentPlayer(agent="A")]
         illegal = sum(bool(r.summary.get("illegal")) for _, r in results) / len(results)
+        bad = {n: [bool(r.replies(role)[1]) for _, r in results for role, v in r.views.items() if v.agent == n]
+               for n in AGENTS}
         print(json.dumps({
             "step": step + 1, "seconds": round(t_step, 2), "gen_s": round(t_gen, 2),
             "A_reward_as_X": round(sum(a_x) / max(len(a_x), 1), 3), "illegal_frac": round(illegal, 3),
+            **{f"{n}_illegal": round(sum(xs) / max(len(xs), 1), 3) for n, xs in bad.items()},
             **{f"{n}_{k}": round(m[k], 4) for n, m in metrics.items()
                for k in ("reward_mean", "clip_frac", "grad_norm")}}), flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -153,8 +213,41 @@ def main() -> None:
     ap.add_argument("--eval-games", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-temps", nargs="+", default=["1", "0"])
+    ap.add_argument("--eval-opponents", nargs="+", default=DEFAULTS["eval_opponents"])
+    ap.add_argument("--train-vs", nargs="+", default=DEFAULTS["train_vs"],
+                    choices=["partner", *TicTacToe.scripted_players],
+                    help="training opponents cycled over a step's groups (partner: A vs B)")
+    ap.add_argument("--entropy-coef", type=float, default=0.0)
+    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
+    ap.add_argument("--lr-scheduler", default="constant", choices=["constant", "linear", "cosine"])
     ap.add_argument("--out", default="", help="write the results as JSON here")
-    run_seeds(ap.parse_args(), run)
+    print_summary(run_seeds(ap.parse_args(), run))
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per ``agent@opponent@T``: the start and end score and the end illegal rate, mean ± standard error
+    across the seeds' runs (``run``'s results)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in results[0]["history"][0]["eval"]:
+        row: dict[str, Any] = {}
+        for when, idx in (("start", 0), ("end", -1)):
+            for field in ("score", "illegal"):
+                m, se = mean_se([r["history"][idx]["eval"][key][field] for r in results])
+                row[f"{when}_{field}"] = (round(m, 3) if m is not None else None,
+                                          round(se, 3) if se is not None else None)
+        out[key] = row
+    return out
+
+
+def print_summary(results: list[dict[str, Any]]) -> None:
+    if not results:
+        return
+    print(f"== summary over {len(results)} seed(s): mean ± SE across seeds ==", flush=True)
+    for key, row in summarize(results).items():
+        (s0, e0), (s1, e1), (i1, _) = row["start_score"], row["end_score"], row["end_illegal"]
+        print(f"{key:22s} start {s0:.3f} ± {e0 or 0:.3f}  end {s1:.3f} ± {e1 or 0:.3f}  end illegal {i1:.3f}",
+              flush=True)
 
 
 def run_seeds(args: argparse.Namespace, run_one: Callable[[argparse.Namespace, int], Awaitable[dict[str, Any]]]
