@@ -148,10 +148,14 @@ async def test_update_waits_for_running_requests(client: httpx.AsyncClient, app:
         assert resp.json()["success"]
 
 
+NEW = 400  # new tokens of the request paused in place
+
+
 async def test_update_while_paused_in_place_reports_spans(client: httpx.AsyncClient, app: FastAPI,
                                                           tiny_model_dir: Path, perturbed_dir: Path) -> None:
     engine = app.state.engine
-    task = asyncio.create_task(_gen(client, [50, 51], max_new_tokens=30, temperature=1.0, sampling_seed=3))
+    # long enough that the pause lands mid-generation even on a loaded machine (_gen ignores EOS)
+    task = asyncio.create_task(_gen(client, [50, 51], max_new_tokens=NEW, temperature=1.0, sampling_seed=3))
     await _until(lambda: engine.load()["num_tokens"] >= 2 + 6, "some tokens")
     assert (await client.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
     resp = await client.post("/update_weights_from_disk", json={"model_path": str(perturbed_dir),
@@ -163,7 +167,7 @@ async def test_update_while_paused_in_place_reports_spans(client: httpx.AsyncCli
         reply = await task
         spans = reply["meta_info"]["weight_versions"]
         assert [s["version"] for s in spans] == ["0", "8"] and spans[0]["start"] == 0
-        assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 30 and spans[0]["end"] >= 6
+        assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == NEW and spans[0]["end"] >= 6
         assert reply["meta_info"]["weight_version"] == "8"
         k = spans[0]["end"]  # the tokens made before the switch are exactly version 0's
         ref = trainer_logprobs(tiny_model_dir, [50, 51], reply["output_ids"][:k], 1.0)

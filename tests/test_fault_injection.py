@@ -33,7 +33,7 @@ from tests.helpers import REPO, launch_up
 
 pytestmark = pytest.mark.slow
 RUN = "faults"
-TOTAL_STEPS = 30
+TOTAL_STEPS = 90  # enough that every kill lands mid-run on a quiet machine (the tiny model plays ~1 step/s)
 AGENTS = ("A", "B")
 KINDS = ("coordinator", "rollout", "engine", "buffer", "trainer", "redis")
 SEED = int(os.environ.get("TANDEM_FAULT_SEED", "11"))  # the kill order, agents and moments
@@ -160,6 +160,8 @@ def kill_and_measure(proc, obs: Observer, kind: str, agent: str, rng: random.Ran
         steps = obs.steps(scope)
         if got["step_s"] is None and steps is not None and steps_before is not None and steps > steps_before:
             got["step_s"] = now
+        if steps is not None and steps >= TOTAL_STEPS * len(scope) and got["step_s"] is not None:
+            return got  # the victim's agents trained their last step: they have no sample left to make
         if got["sample_s"] is not None and (got["step_s"] is not None or proc.poll() is not None):
             return got
         if proc.poll() is not None:
