@@ -39,7 +39,7 @@ from services.inference.generator import Engine  # noqa: E402
 from services.play.episode import EpisodeResult  # noqa: E402
 from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
-from tests.bench.rl_sweep import run_seeds  # noqa: E402
+from tests.bench.rl_sweep import run_seeds, sweep_parser, timed_eval  # noqa: E402
 
 AGENT = "A"
 
@@ -86,12 +86,8 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     weights = Path(tempfile.mkdtemp(prefix="guess_sweep_"))
 
     async def log_eval(step: int) -> None:
-        t0 = time.perf_counter()
-        ev = await eval_guesser(players, AGENT, args.eval_games, 1.0)
-        row = {"step": step, "eval_seconds": round(time.perf_counter() - t0, 1),
-               **{k: round(v, 4) for k, v in ev.items()}}
-        history.append(row)
-        print(json.dumps(row), flush=True)
+        await timed_eval(history, step, lambda: eval_guesser(players, AGENT, args.eval_games, 1.0),
+                         lambda ev: {k: round(v, 4) for k, v in ev.items()})
 
     await log_eval(0)
     step_times = []
@@ -116,14 +112,7 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="warm-started model directory")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--G", type=int, default=8, help="group size")
-    ap.add_argument("--groups", type=int, default=4, help="groups per batch")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--clip", type=float, default=0.2)
+    ap = sweep_parser(__doc__.split("\n")[0], steps=30)
     ap.add_argument("--clip-high", type=float, default=0.28)
     ap.add_argument("--minibatches", type=int, default=1)
     ap.add_argument("--kl", type=float, default=0.0)

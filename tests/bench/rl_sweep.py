@@ -159,11 +159,8 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     weights = Path(tempfile.mkdtemp(prefix="rl_sweep_"))
 
     async def log_eval(step: int) -> None:
-        t0 = time.perf_counter()
-        ev = await evaluate(players, args.eval_games, temps, opt(args, "eval_opponents"))
-        row = {"step": step, "eval_seconds": round(time.perf_counter() - t0, 1), "eval": ev}
-        history.append(row)
-        print(json.dumps(row), flush=True)
+        await timed_eval(history, step, lambda: evaluate(players, args.eval_games, temps, opt(args, "eval_opponents")),
+                         lambda ev: {"eval": ev})
 
     await log_eval(0)
     step_times = []
@@ -195,15 +192,21 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return {"seed": seed, "history": history, "mean_step_seconds": sum(step_times) / len(step_times)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def sweep_parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options every in-process sweep takes: the model, seeds, budget, group layout, lr and clip."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=True, help="warm-started model directory")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--G", type=int, default=8, help="group size")
     ap.add_argument("--groups", type=int, default=4, help="groups per batch")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--clip", type=float, default=0.2)
+    return ap
+
+
+def main() -> None:
+    ap = sweep_parser(__doc__.split("\n")[0], steps=20)
     ap.add_argument("--clip-high", type=float, default=0.0, help="0: same as --clip")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--minibatches", type=int, default=1)
@@ -248,6 +251,16 @@ def print_summary(results: list[dict[str, Any]]) -> None:
         (s0, e0), (s1, e1), (i1, _) = row["start_score"], row["end_score"], row["end_illegal"]
         print(f"{key:22s} start {s0:.3f} ± {e0 or 0:.3f}  end {s1:.3f} ± {e1 or 0:.3f}  end illegal {i1:.3f}",
               flush=True)
+
+
+async def timed_eval(history: list[dict[str, Any]], step: int, evaluate_now: Callable[[], Awaitable[Any]],
+                     fields: Callable[[Any], dict[str, Any]]) -> None:
+    """Evaluate now, and log and keep the row: the step, the seconds it took and ``fields`` of the result."""
+    t0 = time.perf_counter()
+    ev = await evaluate_now()
+    row = {"step": step, "eval_seconds": round(time.perf_counter() - t0, 1), **fields(ev)}
+    history.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def run_seeds(args: argparse.Namespace, run_one: Callable[[argparse.Namespace, int], Awaitable[dict[str, Any]]]
