@@ -170,7 +170,8 @@ class Coordinator:
             counts = train_play.episode_counts(result, self.state.agents)
             for (agent, version), c in counts.items():
                 self.state.agents[agent].train_play.setdefault(version, train_play.PlayCounts()).add(c)
-            await train_play.save(self.bus.redis, self.k_train_play, counts)
+            await self.bus.retrying("counting training play",  # like the episode's own writes (store_episode)
+                                    lambda: train_play.save(self.bus.redis, self.k_train_play, counts))
 
     async def _play(self, env: Any, group_id: str, roles: dict[str, Player], purpose: str,
                     sampling: dict[Player, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
