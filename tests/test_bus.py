@@ -9,9 +9,9 @@ import textwrap
 import time
 from collections.abc import Awaitable, Callable
 
-from services.common.bus import Bus, Reject
+from services.common.bus import Bus, RedisFull, Reject
 from services.common.embedded_redis import EmbeddedRedis, free_port
-from services.contracts.codec import FIELD, encode
+from services.contracts.codec import FIELD, decode, encode
 from services.contracts.messages import Control
 
 
@@ -279,3 +279,27 @@ async def until_async(cond, within: float = 30.0) -> None:
     while not await cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+async def test_the_publishes_of_one_tick_land_in_call_order_each_with_its_id(redis_url):
+    """``publish`` pipelines the XADDs issued together (services/common/bus_adds.py): each caller still gets the id
+    of its own entry, in the order of the calls."""
+    bus = Bus(redis_url, "t", "adds")
+    stream = bus.streams.control
+    ids = await asyncio.gather(*(bus.publish(stream, Control(command="pause", args={"n": i})) for i in range(50)))
+    entries = await bus.redis.xrange(stream)
+    assert [e.decode() for e, _ in entries] == ids
+    assert [decode(f[FIELD], Control).args["n"] for _, f in entries] == list(range(50))
+    await bus.close()
+
+
+async def test_a_full_redis_fails_each_pipelined_publish_clearly(tmp_path):
+    with EmbeddedRedis(data_dir=tmp_path, appendonly=False, maxmemory_mb=1) as server:
+        bus = Bus(server.url, "full", "test")
+        big = Control(command="pause", args={"pad": "x" * 20_000})
+        out = await asyncio.gather(*(bus.publish(bus.streams.control, big) for _ in range(200)),
+                                   return_exceptions=True)
+        errors = [o for o in out if isinstance(o, BaseException)]
+        assert errors and all(isinstance(e, RedisFull) and "maxmemory" in str(e) for e in errors)
+        assert await bus.redis.xlen(bus.streams.control) == len(out) - len(errors)
+        await bus.close()

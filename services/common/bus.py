@@ -21,7 +21,8 @@ Delivery rules:
 
 Speed: the bookkeeping is batched per read (one SMISMEMBER for the done-set checks of a
 whole read) and per completion burst (done-set adds, acks and dead letters in one
-pipeline); the connection pool is sized and waits for a free connection rather than failing.
+pipeline); the publishes of one event-loop tick go in one pipeline; the connection pool
+is sized and waits for a free connection rather than failing.
 
 Redis restarts: while Redis is unreachable (``ConnectionError``/``TimeoutError``), the
 consume loops and ``publish`` wait with bounded exponential backoff and carry on when it
@@ -43,8 +44,9 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import ResponseError
 
+from services.common.bus_adds import PipelinedAdds, RedisFull, full_error  # noqa: F401 (RedisFull: the bus names it)
 from services.common.metrics import count_dead_letter, observed
 from services.common.reconnect import RECONNECT_WINDOW_S, REDIS_DOWN, Backoff
 from services.common.retention import DoneIds, trim_acknowledged
@@ -66,19 +68,6 @@ class RetryLater(Exception):
     """Raised by a handler to leave the entry pending; it is reclaimed later (not counted as a failure)."""
 
 
-class RedisFull(RuntimeError):
-    """Redis refused a write because its ``maxmemory`` is reached (policy noeviction): the run cannot go on."""
-
-
-def full_error(exc: ResponseError) -> RedisFull | None:
-    """The clear error for Redis's OOM refusal, or None when ``exc`` is another error."""
-    if not isinstance(exc, OutOfMemoryError) and not str(exc).startswith("OOM"):
-        return None
-    return RedisFull(f"Redis is full: its maxmemory is reached and it refuses writes ({exc}). Raise "
-                     "run.redis_maxmemory_mb (embedded Redis) or the server's maxmemory, or keep fewer "
-                     "transcripts (run.transcripts_kept)")
-
-
 class Reject(Exception):
     """Raised by a handler when the message itself is unusable: it is dead-lettered at once with the reason."""
 
@@ -93,6 +82,7 @@ class Bus:
         self.streams = Streams(run)
         self.service = service
         self.reconnect_window_s = reconnect_window_s
+        self.adds = PipelinedAdds(self.redis, self.retrying)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -118,9 +108,7 @@ class Bus:
         f = self.flow(stream)
         if not isinstance(msg, f.types):
             raise TypeError(f"{type(msg).__name__} cannot go on {stream}: the flow table says {f.message_name}")
-        payload = encode(msg)
-        entry_id = await self.retrying(f"publish on {stream}", lambda: self.redis.xadd(stream, {FIELD: payload}))
-        return entry_id.decode()
+        return (await self.adds.add(stream, encode(msg))).decode()
 
     def letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> dict[bytes, bytes]:
         log.warning("dead-letter %s %s: %s", stream, entry_id, reason)

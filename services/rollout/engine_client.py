@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import orjson
 from pydantic import ValidationError
 
 from services.common.admin_token import bearer
@@ -71,6 +72,26 @@ def _error_message(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
+def _result(body: Any, rid: str) -> GenerateResult:
+    """One SGLang reply object as a ``GenerateResult`` (validated by the contract's ``GenerateReqOutput``)."""
+    try:
+        out = GenerateReqOutput.model_validate(body)
+    except (ValueError, ValidationError) as exc:
+        raise EngineClientError(f"generate {rid}: unparseable reply: {exc}") from exc
+    meta = out.meta_info
+    logprobs = [float(lp) for lp, _, _ in (meta.output_token_logprobs or [])]
+    if len(logprobs) != len(out.output_ids):
+        raise EngineClientError(f"generate {rid}: {len(logprobs)} logprobs, {len(out.output_ids)} tokens")
+    engine = (meta.model_extra or {}).get("engine")
+    spans = tuple((_version(s.version), s.start, s.end) for s in meta.weight_versions or [])
+    oldest = min((v for v, start, end in spans if end > start), default=_version(meta.weight_version))
+    return GenerateResult(
+        output_ids=list(out.output_ids), output_logprobs=logprobs, finish_reason=meta.finish_reason.type,
+        weight_version=oldest, prompt_tokens=meta.prompt_tokens, weight_versions=spans,
+        engine=str(engine) if engine is not None else None, rid=meta.id,
+        finish_message=meta.finish_reason.message)
+
+
 class EngineClient:
     """One ``httpx.AsyncClient`` reused for every call; close with ``aclose()`` or ``async with``."""
 
@@ -99,26 +120,36 @@ class EngineClient:
         """Generate through the router; the logprobs are those of the sampled tokens."""
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling), "return_logprob": True,
                 "rid": rid}
+        return _result(await self._generate_call(body, rid), rid)
+
+    async def generate_batch(self, prompts: list[list[int]], sampling: dict[str, Any],
+                             rid: str) -> list[GenerateResult | EngineClientError]:
+        """One batch ``/generate`` (SGLang's: a list of prompts, one shared ``sampling_params``; the router
+        takes no per-prompt parameters) with request ids ``{rid}_{i}``; per prompt its result, or the error
+        its item alone came back with (the call's own failure raises ``EngineClientError``)."""
+        body = {"input_ids": [list(p) for p in prompts], "sampling_params": dict(sampling), "return_logprob": True,
+                "rid": rid}
+        items = await self._generate_call(body, rid)
+        if not isinstance(items, list) or len(items) != len(prompts):
+            got = f"{len(items)} replies" if isinstance(items, list) else type(items).__name__
+            raise EngineClientError(f"generate {rid}: a batch of {len(prompts)} answered with {got}")
+        out: list[GenerateResult | EngineClientError] = []
+        for i, item in enumerate(items):
+            try:
+                out.append(_result(item, f"{rid}_{i}"))
+            except EngineClientError as exc:
+                out.append(exc)
+        return out
+
+    async def _generate_call(self, body: dict[str, Any], rid: str) -> Any:
         resp = await self._post(f"{self.router_url}/generate", body)
         if resp.status_code != 200:
             raise EngineClientError(f"generate {rid}: HTTP {resp.status_code}: {_error_message(resp)}",
                                     resp.status_code)
         try:
-            out = GenerateReqOutput.model_validate(resp.json())
-        except (ValueError, ValidationError) as exc:
+            return orjson.loads(resp.content)
+        except orjson.JSONDecodeError as exc:
             raise EngineClientError(f"generate {rid}: unparseable reply: {exc}") from exc
-        meta = out.meta_info
-        logprobs = [float(lp) for lp, _, _ in (meta.output_token_logprobs or [])]
-        if len(logprobs) != len(out.output_ids):
-            raise EngineClientError(f"generate {rid}: {len(logprobs)} logprobs, {len(out.output_ids)} tokens")
-        engine = (meta.model_extra or {}).get("engine")
-        spans = tuple((_version(s.version), s.start, s.end) for s in meta.weight_versions or [])
-        oldest = min((v for v, start, end in spans if end > start), default=_version(meta.weight_version))
-        return GenerateResult(
-            output_ids=list(out.output_ids), output_logprobs=logprobs, finish_reason=meta.finish_reason.type,
-            weight_version=oldest, prompt_tokens=meta.prompt_tokens, weight_versions=spans,
-            engine=str(engine) if engine is not None else None, rid=meta.id,
-            finish_message=meta.finish_reason.message)
 
     async def update_weights(self, engine_url: str, model_path: str, version: int) -> None:
         """Load ``model_path`` into one engine as ``version``; raise unless it reports success."""

@@ -6,7 +6,8 @@ restarts them (``fleet.EngineFleet``). With a router URL it drives an externally
 loads weights on the workers that router lists.
 
 ``on_turn``: a generation request from ``turns:{agent}`` goes to the router (``/generate`` with
-input_ids, sampling_params, return_logprob), at most ``max_inflight_per_engine`` per healthy engine
+input_ids, sampling_params, return_logprob; the turns of one bus read that share sampling parameters go
+together as one batch call: batcher.py), at most ``max_inflight_per_engine`` per healthy engine
 at a time, and the token-exact reply goes to the requester's reply stream. A reply whose ids fall
 outside the agent's vocabulary or whose logprobs are not finite and <= 0 (a misbehaving engine) is not
 passed on: the requester gets an error reply and the turn is rejected with the reason. ``on_weights``: new
@@ -41,6 +42,7 @@ from services.contracts.messages import (
     WeightsLoaded,
     WeightsUpdate,
 )
+from services.rollout.batcher import TurnBatcher
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
 from services.rollout.fleet import EngineFleet
 from services.rollout.limiter import InflightLimiter
@@ -60,7 +62,8 @@ class RolloutService:
         self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
         self.client = EngineClient(router_url, timeout=120.0, token=self.token)
         per_engine = self.acfg.max_inflight_per_engine
-        self.limiter = InflightLimiter(lambda: per_engine * (fleet.healthy() if fleet else self.acfg.num_engines))
+        self.limiter = InflightLimiter(lambda: per_engine * self.engines())
+        self.batcher = TurnBatcher(self.client, self.engines, max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
 
     @classmethod
@@ -77,6 +80,10 @@ class RolloutService:
             raise
         return cls(cfg, agent, bus, fleet.router_url, fleet)
 
+    def engines(self) -> int:
+        """How many engines take turns now: the fleet's healthy ones, or the configured number."""
+        return self.fleet.healthy() if self.fleet is not None else self.acfg.num_engines
+
     @property
     def concurrency(self) -> int:
         """How many turns the turns stream's consumer handles at once."""
@@ -87,6 +94,7 @@ class RolloutService:
         return [self.report_load(stop), *([self.fleet.supervise(stop)] if self.fleet else [])]
 
     async def close(self) -> None:
+        await self.batcher.aclose()
         await self.client.aclose()
         if self.fleet is not None:
             await self.fleet.close()
@@ -117,7 +125,7 @@ class RolloutService:
         for attempt in range(RETRIES):
             try:
                 async with self.limiter:
-                    res = await self.client.generate(req.input_ids, sampling, rid=req.id)
+                    res = await self.batcher.generate(req.input_ids, sampling, rid=req.id)
                 if res.finish_reason == "abort":  # aborted on the engine (e.g. it died): not a trajectory
                     raise EngineClientError(f"generate {req.id}: aborted: {res.finish_message}")
                 return res

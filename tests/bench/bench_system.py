@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.common.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
+from services.contracts.streams import Streams  # noqa: E402
 from tests.helpers import launch_up  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_SYSTEM_STEPS", "4"))
@@ -105,9 +106,10 @@ def run_up(tmp: Path, model: Path, name: str, staleness: int | None) -> dict[str
             started = time.monotonic()
             proc = launch_up(cfg, stdout=log)
             first_turn = None
+            replies = Streams(name).replies("coordinator")  # (a pattern would match its done set too)
             try:
                 while proc.poll() is None and time.monotonic() - started < RUN_TIMEOUT_S:
-                    if first_turn is None and any(client.xlen(k) for k in client.scan_iter(f"tandem:{name}:replies:*")):
+                    if first_turn is None and client.xlen(replies):
                         first_turn = time.monotonic() - started
                     time.sleep(0.05)
             finally:

@@ -1,0 +1,87 @@
+"""The bus's publishing half: XADDs pipelined per event-loop tick, and Redis's refusal when it is full.
+
+docs/architecture.md §2.2 (delivery; the bus batches its Redis work) and §10 (a full Redis). ``Bus.publish``
+(services/common/bus.py) validates a message against the flow table, encodes it and hands it here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError, ResponseError
+
+from services.contracts.codec import FIELD
+
+T = TypeVar("T")
+Retrying = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+
+class RedisFull(RuntimeError):
+    """Redis refused a write because its ``maxmemory`` is reached (policy noeviction): the run cannot go on."""
+
+
+def full_error(exc: ResponseError) -> RedisFull | None:
+    """The clear error for Redis's OOM refusal, or None when ``exc`` is another error."""
+    if not isinstance(exc, OutOfMemoryError) and not str(exc).startswith("OOM"):
+        return None
+    return RedisFull(f"Redis is full: its maxmemory is reached and it refuses writes ({exc}). Raise "
+                     "run.redis_maxmemory_mb (embedded Redis) or the server's maxmemory, or keep fewer "
+                     "transcripts (run.transcripts_kept)")
+
+
+class PipelinedAdds:
+    """``publish``'s XADDs: those issued in the same event-loop tick (the replies of one batch, the next turns of
+    the episodes one read of replies woke) go to Redis in one MULTI/EXEC pipeline; each caller waits for its own
+    entry id or error. In a transaction Redis wakes a reader blocked on the stream once, after the last entry, so
+    the reader gets them in one read (the rollout batches what one read brings). While Redis is unreachable the
+    whole pipeline is retried with backoff, as a single XADD was; a full Redis fails each of them (``RedisFull``)."""
+
+    def __init__(self, redis: aioredis.Redis, retrying: Retrying) -> None:
+        self.redis, self.retrying = redis, retrying
+        self.queue: list[tuple[str, bytes, asyncio.Future[bytes]]] = []
+        self.flushing: asyncio.Task[None] | None = None
+
+    async def add(self, stream: str, payload: bytes) -> bytes:
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.queue.append((stream, payload, fut))
+        if self.flushing is None:
+            self.flushing = asyncio.create_task(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # the rest of this tick's publishes join
+        batch, self.queue, self.flushing = [a for a in self.queue if not a[2].done()], [], None
+        if not batch:
+            return
+        try:
+            if len(batch) == 1:
+                stream, payload, _ = batch[0]
+                results: list[Any] = [await self.retrying(
+                    f"publish on {stream}", lambda: self.redis.xadd(stream, {FIELD: payload}))]
+            else:
+                results = await self.retrying(f"publish of {len(batch)} entries", lambda: self._pipeline(batch))
+        except BaseException as exc:
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc) if isinstance(exc, Exception) else fut.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (*_, fut), res in zip(batch, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(res, ResponseError):
+                fut.set_exception(full_error(res) or res)
+            elif isinstance(res, Exception):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
+
+    async def _pipeline(self, batch: list[tuple[str, bytes, asyncio.Future[bytes]]]) -> list[Any]:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for stream, payload, _ in batch:
+                pipe.xadd(stream, {FIELD: payload})
+            return list(await pipe.execute(raise_on_error=False))
