@@ -141,3 +141,13 @@ async def test_requests_join_a_running_batch_after_the_quiet_time(tiny_model_dir
         assert (await long)[0].finish["type"] == "abort"
     finally:
         engine.stop()
+
+
+async def test_a_call_of_several_requests_is_admitted_without_the_wait(tiny_model_dir: Path) -> None:
+    """A batch call (the rollout gathered the turns of one read) is its own admission window."""
+    engine = Engine(tiny_model_dir, max_batch=8, admit_quiet_s=60.0, admit_window_s=60.0)
+    try:
+        done = await asyncio.wait_for(_generate(engine, 3), timeout=30)  # three of eight: the room is not full
+        assert [len(r.output_ids) for r in done] == [3] * 3 and engine.stats["prefills"] == 1
+    finally:
+        engine.stop()

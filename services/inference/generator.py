@@ -15,7 +15,8 @@ others. Queued requests are admitted once no new one has arrived for ``admit_qui
 has waited ``admit_window_s``, or they fill the batch's free room; meanwhile the running rows go on
 decoding. Both default to 0 (admit at the next step: in-process callers that generate one request
 at a time wait for nothing); the HTTP server uses 2 ms and 20 ms. ``generate_many`` queues many
-requests at once (SGLang's batch ``/generate``).
+requests at once (SGLang's batch ``/generate``): a call of several is admitted at once, without the
+wait (its caller gathered them already: the rollout batches the turns of one read).
 
 A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``), as
 the trainer's full-sequence forward computes it; top-p / top-k only restrict what may be drawn.
@@ -77,6 +78,7 @@ class Engine:
         self._cv = threading.Condition()
         self._queue: list[GenRequest] = []
         self._last_arrival = 0.0
+        self._whole_call = False  # a call of several requests is queued: admit without waiting for more
         self._batch = RunningBatch()
         self._ops: list[_Op] = []
         self.paused = False
@@ -111,9 +113,11 @@ class Engine:
         for r in reqs:
             r.done, r.queued_at = Completion(), now
         with self._cv:
-            wake = not self._queue or len(self._queue) + len(reqs) >= self.max_batch - len(self._batch.rows)
+            wake = (not self._queue or len(reqs) > 1
+                    or len(self._queue) + len(reqs) >= self.max_batch - len(self._batch.rows))
             self._queue.extend(reqs)
             self._last_arrival = now
+            self._whole_call = self._whole_call or len(reqs) > 1  # the caller gathered them (a batch /generate)
             if wake:  # otherwise the worker is decoding or in a timed wait for the admission window
                 self._cv.notify_all()
         try:
@@ -216,7 +220,7 @@ class Engine:
         room = self.max_batch - len(self._batch.rows)
         if room <= 0:
             return None
-        if len(self._queue) >= room:
+        if len(self._queue) >= room or self._whole_call:
             return 0.0
         due = min(self._last_arrival + self.admit_quiet_s, self._queue[0].queued_at + self.admit_window_s)
         return max(0.0, due - time.monotonic())
@@ -226,6 +230,7 @@ class Engine:
             return []
         room = self.max_batch - len(self._batch.rows)
         admit, self._queue = self._queue[:room], self._queue[room:]
+        self._whole_call = False
         self._batch.joining = admit
         return admit
 

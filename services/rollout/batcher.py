@@ -73,6 +73,17 @@ class TurnBatcher:
         return [items[i:i + per_call] for i in range(0, len(items), per_call)]
 
     async def _send(self, sampling: dict[str, Any], chunk: list[_Waiting]) -> None:
+        """Send one chunk; whatever happens, every turn in it gets its result or an error (never left waiting)."""
+        try:
+            await self._call(sampling, chunk)
+        except BaseException as exc:
+            for _, _, fut in chunk:
+                if not fut.done():
+                    fut.set_exception(exc) if isinstance(exc, Exception) else fut.cancel()
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _call(self, sampling: dict[str, Any], chunk: list[_Waiting]) -> None:
         live = [w for w in chunk if not w[2].done()]  # a cancelled handler (shutdown) is not sent
         if len(live) == 1:
             return await self._one(sampling, live[0])

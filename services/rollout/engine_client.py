@@ -11,6 +11,7 @@ token: the engines' admin routes and the router (its ``--api-key``) require it (
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -148,7 +149,11 @@ class EngineClient:
                                     resp.status_code)
         try:
             return orjson.loads(resp.content)
-        except orjson.JSONDecodeError as exc:
+        except orjson.JSONDecodeError:
+            pass
+        try:  # Python's json also reads NaN and Infinity (a misbehaving engine's logprobs: rejected later, by name)
+            return json.loads(resp.content)
+        except ValueError as exc:
             raise EngineClientError(f"generate {rid}: unparseable reply: {exc}") from exc
 
     async def update_weights(self, engine_url: str, model_path: str, version: int) -> None:

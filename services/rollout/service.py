@@ -60,10 +60,10 @@ class RolloutService:
         self.acfg = cfg.agents[agent]
         self.agent, self.bus, self.router_url, self.fleet = agent, bus, router_url, fleet
         self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
-        self.client = EngineClient(router_url, timeout=120.0, token=self.token)
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * self.engines())
-        self.batcher = TurnBatcher(self.client, self.engines, max_batch=per_engine)
+        self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
+                                   max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
 
     @classmethod
@@ -79,6 +79,15 @@ class RolloutService:
             await fleet.close()
             raise
         return cls(cfg, agent, bus, fleet.router_url, fleet)
+
+    @property
+    def client(self) -> EngineClient:
+        """The router's client (the batcher's: turns and weight loads share one)."""
+        return self.batcher.client
+
+    @client.setter
+    def client(self, client: EngineClient) -> None:
+        self.batcher.client = client
 
     def engines(self) -> int:
         """How many engines take turns now: the fleet's healthy ones, or the configured number."""
