@@ -52,7 +52,7 @@ class PipelinedAdds:
         return await fut
 
     async def _flush(self) -> None:
-        await asyncio.sleep(0)  # the rest of this tick's publishes join
+        # a new task's first step runs at the loop's next iteration: this tick's other publishes are queued by then
         batch, self.queue, self.flushing = [a for a in self.queue if not a[2].done()], [], None
         if not batch:
             return
