@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import math
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from typing import Any
 
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
 
+log = logging.getLogger("tandem.rollout")
 MAX_SETTLE_TICKS = 8  # ticks to wait at most for the rest of a read's turns (each tick that brings none ends it)
 
 _Waiting = tuple[list[int], str, "asyncio.Future[GenerateResult]"]
@@ -39,7 +41,7 @@ class TurnBatcher:
         self.calls: set[asyncio.Task[None]] = set()
         self.prefix = uuid.uuid4().hex[:12]
         self.counter = itertools.count()
-        self.batch_calls = self.batched_turns = 0  # for the load report and the tests
+        self.batch_calls = self.batched_turns = self.lone_turns = 0  # for the log and the tests
 
     async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str) -> GenerateResult:
         """This turn's result, from a batch call or on its own."""
@@ -103,6 +105,7 @@ class TurnBatcher:
 
     async def _one(self, sampling: dict[str, Any], w: _Waiting) -> None:
         ids, rid, fut = w
+        self.lone_turns += 1
         try:
             res: GenerateResult | EngineClientError = await self.client.generate(ids, sampling, rid)
         except EngineClientError as exc:
@@ -111,6 +114,7 @@ class TurnBatcher:
 
     async def aclose(self) -> None:
         """Cancel the calls in flight (their handlers are being cancelled too)."""
+        log.info("turns sent: %d in %d batch calls, %d alone", self.batched_turns, self.batch_calls, self.lone_turns)
         for task in [*self.calls, *([self.flushing] if self.flushing else [])]:
             task.cancel()
         await asyncio.gather(*self.calls, return_exceptions=True)
