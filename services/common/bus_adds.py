@@ -47,7 +47,7 @@ class PipelinedAdds:
     async def add(self, stream: str, payload: bytes) -> bytes:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.queue.append((stream, payload, fut))
-        if self.flushing is None:
+        if self.flushing is None or self.flushing.done():  # (done without running: cancelled at a loop's end)
             self.flushing = asyncio.create_task(self._flush())
         return await fut
 

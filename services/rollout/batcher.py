@@ -48,7 +48,7 @@ class TurnBatcher:
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         key = json.dumps(sampling, sort_keys=True)
         self.waiting.setdefault(key, (sampling, []))[1].append((input_ids, rid, fut))
-        if self.flushing is None:
+        if self.flushing is None or self.flushing.done():  # (done without running: cancelled at a loop's end)
             self.flushing = asyncio.create_task(self._flush_soon())
         return await fut
 
