@@ -142,7 +142,7 @@ def test_warm_guess_model_plays_legal_games(tmp_path: Path) -> None:
     """A smaller warm start than the default (a minute or two on a quiet 2-core machine), then seeded
     held-out games through ``play_episode``: every game runs to its end, nearly every reply is an
     integer in 1-100, and some games find the number."""
-    out = warmstart_guess(tmp_path / "m", games=600, epochs=3, eval_games=0, verbose=False)
+    out = warmstart_guess(tmp_path / "m", games=600, epochs=3, hidden=64, eval_games=0, verbose=False)
     players = EnginePlayers({"g": Engine(out)})
     try:
         stats = asyncio.run(eval_guesser(players, "g", 40, 1.0))

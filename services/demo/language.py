@@ -13,9 +13,11 @@ The weak guesser uses the feedback but not well: every guess lies in the range t
 (nearly a linear scan). Each reply token's target is the exact conditional distribution of that
 guesser over numbers (a soft label: the first digit's marginal, each next digit or eos given the
 digits so far), not a sampled number. That guesser nearly always finds the number within 16 turns
-but needs about 9.2 guesses (binary search: 5.8, at most 7); reinforcement learning has to find
-that guesses near the midpoint pay (``tests/bench/guess_sweep.py`` measures it;
-``configs/guess_demo.yaml`` runs it with ``tandem up``).
+but needs about 9.2 guesses (binary search: 5.8, at most 7). Measured at the defaults (hidden 128,
+2 layers, 1500 games x 4 epochs; 200 held-out games at temperature 1): found within 16 turns 92 %,
+9.35 guesses when found, 0.4 % of replies malformed (hidden 64: found 68.5 %, 9.64, 2.7 %: it uses
+the range less well). Reinforcement learning has to find that guesses near the midpoint pay
+(``tests/bench/guess_sweep.py`` measures it; ``configs/guess_demo.yaml`` runs it with ``tandem up``).
 
 CLI: ``tandem init-demo --task guess models/demo-guess`` or
 ``python -m services.demo.language OUT_DIR [--seed N] [--games N] [--epochs N]``.
@@ -52,7 +54,7 @@ GUESS_PARAMS: dict[str, Any] = {"low": 1, "high": 100, "max_turns": 16, "turn_co
 DEFAULT_MIX = (0.25, 0.25, 0.5)  # uniform in the range left, near its midpoint, towards an end
 MID_SPREAD = 0.15
 END_SCALE = 0.05
-DEFAULT_HIDDEN = 64
+DEFAULT_HIDDEN = 128
 DEFAULT_LAYERS = 2
 DEFAULT_GAMES = 1500
 DEFAULT_EPOCHS = 4
