@@ -11,7 +11,10 @@ Rewards (role ``guesser``)
   goes on (the reply costs a turn).
 After ``max_turns`` replies without finding it the episode ends with no bonus.
 With ``show_range`` the feedback also states the range the answers so far allow
-("50 is too low; 51-100."), so a small model need not track it over the whole history.
+("50 is too low; 51-100."), so a small model need not track it over the whole history; with
+``pad_range`` too, both ends are zero-padded to the width of ``high`` ("50 is too low; 051-100."):
+each digit of the range then sits at a fixed distance from the end of the observation, which a
+tiny byte-level model reads far more easily. Both default off (the plain feedback).
 
 Scripted players: ``bisect`` (binary search: optimal) and ``random``.
 """
@@ -37,6 +40,8 @@ class GuessNumberParams(EnvParams):
     turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="per guess")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0, description="per reply that is not an integer in range")
     show_range: bool = Field(False, description="the feedback also states the range the answers so far allow")
+    pad_range: bool = Field(False, description="with show_range: both ends of the range zero-padded to the "
+                            "width of high (51-100 -> 051-100)")
     instructions: str = Field("", max_length=2000, description="a system message for the guesser (for a real "
                               "chat model, e.g. 'Reply with only your guess, one integer.'); empty: none")
 
@@ -96,10 +101,15 @@ class GuessNumber(Environment[GuessNumberParams]):
             else:
                 self.hi = min(self.hi, guess - 1)
                 self.feedback = f"{guess} is too high"
-            self.feedback += f"; {self.lo}-{self.hi}." if self.params.show_range else "."
+            self.feedback += f"; {self.range_text()}." if self.params.show_range else "."
         if self.turns >= self.params.max_turns:
             return StepResult(done=True, rewards={"guesser": 0.0}, turn_rewards=turn, info=info)
         return StepResult(done=False, turn_rewards=turn, info=info)
+
+    def range_text(self) -> str:
+        """The range the answers so far allow, as the feedback states it ("51-100", "051-100" padded)."""
+        width = len(str(self.high)) if self.params.pad_range else 0
+        return f"{self.lo:0{width}d}-{self.hi:0{width}d}"
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if player == "bisect":

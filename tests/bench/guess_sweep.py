@@ -12,6 +12,7 @@ Before training and every ``--eval-every`` steps the model plays the held-out ev
 rate of games not found within the turn limit, format failures per game.
 
     python tests/bench/guess_sweep.py --model models/demo-guess --steps 30 --seeds 0 1 2 --out guess.json
+    python tests/bench/guess_sweep.py summary guess.json    # start vs end, mean ± SE across seeds
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         train = guess_stats([r for _, r in results], int(GUESS_PARAMS["max_turns"]))
         print(json.dumps({"step": step + 1, "seconds": round(step_times[-1], 1), "gen_s": round(t_gen, 1),
                           "train_mean_guesses": round(train["mean_guesses"], 2),
+                          "train_mean_turns": round(train["mean_turns"], 2),
                           "train_fail": round(train["fail_rate"], 3), "train_format": train["format_per_game"],
                           **{k: round(metrics[k], 4) for k in ("reward_mean", "clip_frac", "grad_norm")}}),
               flush=True)
@@ -111,7 +113,25 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return {"seed": seed, "history": history, "mean_step_seconds": sum(step_times) / max(len(step_times), 1)}
 
 
+def summarize(paths: list[str]) -> dict[str, Any]:
+    """Mean ± SE across seeds (each file one or more seeds' ``--out``) of the first and last evaluation:
+    mean guesses of the games found, the rate not found, mean turns (a game not found counts the limit)."""
+    rows = [r for p in paths for r in json.loads(Path(p).read_text())["results"]]
+    out: dict[str, Any] = {"seeds": [r["seed"] for r in rows]}
+    for key in ("mean_guesses", "fail_rate", "mean_turns", "format_per_game"):
+        for when, index in (("start", 0), ("end", -1)):
+            xs = [r["history"][index][key] for r in rows]
+            mean = sum(xs) / len(xs)
+            se = (sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1) / len(xs)) ** 0.5
+            out[f"{key}_{when}"] = {"mean": round(mean, 3), "se": round(se, 3), "per_seed": xs}
+    out["steps"] = [r["history"][-1]["step"] for r in rows]
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["summary"]:  # guess_sweep.py summary seed0.json seed1.json ...
+        print(json.dumps(summarize(sys.argv[2:]), indent=1))
+        return
     ap = sweep_parser(__doc__.split("\n")[0], steps=30)
     ap.add_argument("--clip-high", type=float, default=0.28)
     ap.add_argument("--minibatches", type=int, default=1)
