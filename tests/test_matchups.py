@@ -164,3 +164,55 @@ async def test_matchups_launch_groups_per_agent_and_a_failed_episode_is_counted(
     assert restarted.state.groups_launched == nxt and restarted.roles_for_group(nxt) == coord.roles_for_group(nxt)
     await restarted.bus.close()
     await bus.close()
+
+
+@pytest.mark.slow
+def test_the_demo_mix_runs_through_tandem_up(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """configs/demo.yaml (its matchups against minimax and random), made small, through ``tandem up``: both
+    agents reach total_steps; each group is in the ledger of exactly the agents its matchup trains; no
+    episode failed."""
+    import json
+    import shutil
+
+    import redis
+    import yaml
+
+    from services.common.embedded_redis import EmbeddedRedis, free_port
+    from services.contracts.streams import Streams
+    from tests.helpers import REPO, launch_up
+
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["run"].update(name="mixrun", total_steps=2, concurrent_episodes=8, checkpoint_root=str(tmp_path / "ckpt"),
+                      output_dir=str(tmp_path / "runs"))
+    cfg["api"]["port"] = free_port()
+    cfg["environment"].update(group_size=4)
+    cfg["environment"]["eval"].update(episodes=4, every_n_steps=0)
+    for agent in cfg["agents"].values():
+        agent.update(model_path=str(tiny_model_dir), groups_per_batch=2)
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with open(tmp_path / "launcher.log", "wb") as log:
+        proc = launch_up(path, stdout=log)
+        try:
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+    assert proc.returncode == 0, (tmp_path / "launcher.log").read_text(errors="replace")[-4000:]
+    summary = json.loads((tmp_path / "runs" / "mixrun" / "summary.json").read_text())
+    assert summary["phase"] == "done" and summary["episodes_failed"] == {}
+    for agent in ("A", "B"):
+        assert summary["agents"][agent]["weight_versions"] == 2
+    env = parse_config({**cfg, "redis_url": ""}).environment
+    data = tmp_path / "redis-copy"
+    shutil.copytree(tmp_path / "runs" / "mixrun" / "redis", data)
+    with EmbeddedRedis(data_dir=data) as server:
+        client = redis.Redis.from_url(server.url)
+        members: dict[int, set[str]] = {}
+        for agent in ("A", "B"):
+            for gid in client.hkeys(Streams("mixrun").group_ledger(agent)):
+                members.setdefault(int(gid[1:7]), set()).add(agent)
+        client.close()
+    assert members and all(agents == {p.agent for p in env.group_roles(i).values() if isinstance(p, AgentPlayer)}
+                           for i, agents in members.items())
