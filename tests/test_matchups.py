@@ -105,6 +105,28 @@ async def answer_turns(coord: Coordinator, players: EnginePlayers, fail_group: s
                 await coord.on_reply(reply)
 
 
+async def check_agent(coord: Coordinator, agent: str, outcomes: dict) -> None:
+    """The agent's groups: all emitted (no verdict yet), the samples on its stream exactly the ledger's
+    members, each vouched for by the buffer's store; group 2's failed episode left one sample, emitted."""
+    bus, cfg = coord.bus, coord.cfg
+    state = coord.state.agents[agent]
+    emitted = [g for g, o in outcomes.items() if o.state == "emitted"]
+    # no verdict yet; a group with A and B launches while one of them still wants groups, so the other may
+    # hold more than its batch (as when every group has both)
+    assert state.in_flight_groups == len(emitted) >= cfg.agents[agent].groups_per_batch
+    assert state.abandoned_groups == len(outcomes) - len(emitted)  # (an agent with no turn in a group)
+    samples = [decode(f[FIELD], Sample) for _, f in await bus.redis.xrange(bus.streams.samples(agent))]
+    store = SampleStore(bus, agent, groups_per_batch=4, max_staleness=0, filter_zero_variance=False)
+    for gid in emitted:
+        mine = [s for s in samples if s.group_id == gid]
+        ids = await store.members(gid)
+        assert sorted(s.id for s in mine) == sorted(ids or [])
+        for s in mine:
+            assert await store.vouch(s) == ids  # the buffer takes the group as the ledger records it
+    group2 = [s for s in samples if s.group_id.startswith("g000002")]
+    assert len(group2) == (1 if agent == "B" else 0)  # one of its 2 episodes failed; emitted with the rest
+
+
 async def test_matchups_launch_groups_per_agent_and_a_failed_episode_is_counted(
         redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = run_config(redis_url, str(tiny_model_dir), tmp_path / "runs")
@@ -139,22 +161,7 @@ async def test_matchups_launch_groups_per_agent_and_a_failed_episode_is_counted(
     passed = set(range(launched)) - set(members)
     assert 4 in passed  # minimax vs A: A had its groups, B still wanted some: passed over, not waited on
     for agent, outcomes in ledgers.items():
-        state = coord.state.agents[agent]
-        emitted = [g for g, o in outcomes.items() if o.state == "emitted"]
-        # no verdict yet; a group with A and B launches while one of them still wants groups, so the other may
-        # hold more than its batch (as when every group has both)
-        assert state.in_flight_groups == len(emitted) >= cfg.agents[agent].groups_per_batch
-        assert state.abandoned_groups == len(outcomes) - len(emitted)  # (an agent with no turn in a group)
-        samples = [decode(f[FIELD], Sample) for _, f in await bus.redis.xrange(bus.streams.samples(agent))]
-        store = SampleStore(bus, agent, groups_per_batch=4, max_staleness=0, filter_zero_variance=False)
-        for gid in emitted:
-            mine = [s for s in samples if s.group_id == gid]
-            ids = await store.members(gid)
-            assert sorted(s.id for s in mine) == sorted(ids or [])
-            for s in mine:
-                assert await store.vouch(s) == ids  # the buffer takes the group as the ledger records it
-        group2 = [s for s in samples if s.group_id.startswith("g000002")]
-        assert len(group2) == (1 if agent == "B" else 0)  # one of its 2 episodes failed; emitted with the rest
+        await check_agent(coord, agent, outcomes)
     assert int(await bus.redis.get(coord.ledger.k_launched)) == max(members) + 1
     assert coord.state.status()["episodes_failed"] == {"train": {"total": 1, "B": 1}}
     restarted = Coordinator(cfg, Bus(redis_url, "mx", "coordinator"))
