@@ -184,13 +184,13 @@ def test_config_is_strict_and_finite(mutate, field, reason):
 
 
 def test_config_numbers_read_as_meant(tmp_path):
-    text = Path("configs/demo.yaml").read_text().replace("lr: 0.001", "lr: 1e-3").replace("total_steps: 12",
-                                                                                          "total_steps: 1_2")
+    text = Path("configs/demo.yaml").read_text().replace("lr: 0.001", "lr: 1e-3").replace("total_steps: 72",
+                                                                                          "total_steps: 7_2")
     path = tmp_path / "demo.yaml"
     path.write_text(text)
     cfg = load_config(path, environ={"TANDEM__agents__B__algorithm__lr": "2e-4", "TANDEM__run__max_restarts": "0"})
     assert cfg.agents["A"].algorithm.lr == 0.001 and cfg.agents["B"].algorithm.lr == 0.0002
-    assert cfg.run.total_steps == 12 and cfg.run.max_restarts == 0
+    assert cfg.run.total_steps == 72 and cfg.run.max_restarts == 0
     assert (cfg.run.restart_window_s, cfg.run.redis_appendfsync) == (600.0, "everysec")
 
 

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.contracts.messages import SamplingParams
-from services.contracts.players import PLAYER_FORMS, AgentPlayer, Player, Pool, Scripted, parse_player
+from services.contracts.players import AgentPlayer, Player, Pool, Scripted, cycle_roles, parse_role_map
 
 PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # the trainer's registry (services/training/algorithms) holds exactly these; plug-ins: package.module:Class
@@ -206,7 +206,10 @@ class EnvironmentConfig(Strict):
     roles: dict[str, Player] = Field(description="environment role -> player: an agent name, "
                                      "'scripted:<player>' (the env's scripted player) or 'pool:<agent>' "
                                      "(a past weight version of that agent, played in the coordinator)")
-    alternate_roles: bool = Field(False, description="rotate the role->agent map every group")
+    alternate_roles: bool = Field(False, description="rotate the role->player map every group (each matchup's)")
+    matchups: list[dict[str, Player]] = Field(default_factory=list, description="training opponent mix: role -> "
+                                              "player maps, group i plays matchups[i % len] (empty: roles); "
+                                              "each names every role and a training agent; eval uses roles")
     pool_size: int = Field(4, ge=1, description="'pool:<agent>' draws from that agent's last pool_size versions")
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
@@ -221,15 +224,21 @@ class EnvironmentConfig(Strict):
     @classmethod
     def _players(cls, v: Any) -> Any:
         """The YAML's player strings, parsed once into typed players (services/contracts/players.py)."""
-        if not isinstance(v, dict):
-            return v
-        out = {}
-        for role, player in v.items():
-            try:
-                out[role] = parse_player(player)
-            except ValueError:
-                raise ValueError(f"environment.roles.{role}: {player!r} is not {PLAYER_FORMS}") from None
-        return out
+        return parse_role_map(v, "environment.roles") if isinstance(v, dict) else v
+
+    @field_validator("matchups", mode="before")
+    @classmethod
+    def _matchup_players(cls, v: Any) -> Any:  # like roles'; an error names environment.matchups[i].ROLE
+        return [parse_role_map(m, f"environment.matchups[{i}]") for i, m in enumerate(v)] if isinstance(v, list) else v
+
+    def training_maps(self) -> list[tuple[str, dict[str, Player]]]:
+        """The maps training groups play (matchups, else roles), each with its config field."""
+        return [(f"environment.matchups[{i}]", m) for i, m in enumerate(self.matchups)] or [("environment.roles",
+                                                                                              self.roles)]
+
+    def group_roles(self, index: int) -> dict[str, Player]:
+        """Group ``index``'s map (players.py ``cycle_roles``): a restart derives the same for the same index."""
+        return cycle_roles(list(self.roles), [m for _, m in self.training_maps()], self.alternate_roles, index)
 
     def scripted(self) -> dict[str, Scripted]:
         """The roles the config gives a scripted player (they keep it in evaluation: a rule-based judge)."""
@@ -302,19 +311,25 @@ class TandemConfig(Strict):
 
     @model_validator(mode="after")
     def _roles_name_agents(self) -> TandemConfig:
-        for role, player in self.environment.roles.items():
-            if isinstance(player, AgentPlayer | Pool) and player.agent not in self.agents:
-                raise ValueError(f"environment.roles.{role} names agent {player.agent!r}, "
-                                 f"which is not under agents ({', '.join(self.agents)})")
+        env = self.environment
+        for field, mapping in [("environment.roles", env.roles), *env.training_maps()[:len(env.matchups)]]:
+            if set(mapping) != set(env.roles):  # a matchup names every role of roles (checked against the env)
+                raise ValueError(f"{field}: names roles {sorted(mapping)}, not {sorted(env.roles)} (environment.roles)")
+            for role, player in mapping.items():
+                if isinstance(player, AgentPlayer | Pool) and player.agent not in self.agents:
+                    raise ValueError(f"{field}.{role} names agent {player.agent!r}, "
+                                     f"which is not under agents ({', '.join(self.agents)})")
         if not any(a.train for a in self.agents.values()):
             raise ValueError("agents: every agent has train: false; at least one must train")
-        playing = {p.agent for p in self.environment.roles.values() if isinstance(p, AgentPlayer)}
-        if not any(self.agents[a].train for a in playing):
-            raise ValueError("environment.roles: no role is played by an agent that trains")
-        idle = [n for n, a in self.agents.items() if a.train and n not in playing]
-        if idle:
-            raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment.roles "
-                             "(set train: false or give it a role)")
+        playing: set[str] = set()  # each map needs a training agent; each training agent a seat in some map
+        for field, mapping in env.training_maps():
+            agents = {p.agent for p in mapping.values() if isinstance(p, AgentPlayer)}
+            if not any(self.agents[a].train for a in agents):
+                raise ValueError(f"{field}: no role is played by an agent that trains")
+            playing |= agents
+        if idle := [n for n, a in self.agents.items() if a.train and n not in playing]:
+            raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment."
+                             f"{'matchups' if env.matchups else 'roles'} (set train: false or give it a role)")
         return self
 
     def run_dir(self) -> Path:

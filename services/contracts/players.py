@@ -8,6 +8,9 @@ the type, never the string. ``Local`` (fixed weights from a directory, played
 in-process) is never written in a config: the coordinator draws one for each
 ``Pool`` player per group, and ``tandem eval`` plays the checkpoints it is given
 as ``Local`` players. ``str(player)`` gives the config's form back (for records).
+
+``cycle_roles`` is the training schedule (docs/architecture.md §4): group i plays the
+config's ``environment.matchups[i % len]`` (or ``roles``), seats rotated when roles alternate.
 """
 
 from __future__ import annotations
@@ -97,3 +100,27 @@ def parse_player(value: object) -> AgentPlayer | Scripted | Pool | Local:
 def agent_of(player: AgentPlayer | Scripted | Pool | Local) -> str | None:
     """The agent a player names (its own, a pool's owner, a local copy's), or None for a scripted one."""
     return None if isinstance(player, Scripted) else player.agent
+
+
+def parse_role_map(mapping: object, field: str) -> dict[str, AgentPlayer | Scripted | Pool | Local]:
+    """A config's role -> player map, typed; ValueError names ``field`` and the role at fault."""
+    if not isinstance(mapping, dict):
+        raise ValueError(f"{field}: {mapping!r} is not a role -> player map")
+    out = {}
+    for role, player in mapping.items():
+        try:
+            out[role] = parse_player(player)
+        except ValueError:
+            raise ValueError(f"{field}.{role}: {player!r} is not {PLAYER_FORMS}") from None
+    return out
+
+
+def cycle_roles(seats: list[str], maps: list[dict[str, Player]], alternate: bool, index: int) -> dict[str, Player]:
+    """Group ``index``'s role -> player map: ``maps[index % len(maps)]``; with ``alternate`` its players move
+    one seat (in ``seats`` order) each time the cycle comes back to it, so each map is played from every side."""
+    base, turn = maps[index % len(maps)], index // len(maps)
+    players = [base[r] for r in seats]
+    if alternate:
+        k = turn % len(players)
+        players = players[k:] + players[:k]
+    return dict(zip(seats, players, strict=True))

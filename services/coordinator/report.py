@@ -74,7 +74,7 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
             "max_staleness": a.max_staleness,
         }
     return {"run": state.cfg.run.name, "phase": state.phase, "error": state.error, "episodes": state.episodes_done,
-            "wall_s": None, "agents": agents, "evals": evals}
+            "episodes_failed": state.episodes_failed, "wall_s": None, "agents": agents, "evals": evals}
 
 
 def write_report(state: RunState, evals: list[dict[str, Any]], out_dir: Path, wall_s: float) -> Path:

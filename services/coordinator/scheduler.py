@@ -26,7 +26,7 @@ from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
-from services.coordinator import evals, train_play
+from services.coordinator import evals, failures, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
@@ -70,6 +70,7 @@ class Coordinator:
         self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play = bus.streams.key("coord:train_play")
+        self.k_failed = bus.streams.key("coord:episodes_failed")
 
     async def restore(self) -> None:
         """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
@@ -82,6 +83,7 @@ class Coordinator:
         for agent, counts in (await train_play.load(self.bus.redis, self.k_train_play)).items():
             if agent in self.state.agents:
                 self.state.agents[agent].train_play = counts
+        self.state.episodes_failed = await failures.load(self.bus.redis, self.k_failed)
 
     # --- plumbing -----------------------------------------------------------
     async def notify(self) -> None:
@@ -187,8 +189,9 @@ class Coordinator:
                         context[p] = await asyncio.to_thread(self.local.context_length, p.path)
                 result = await play_episode(env, new_id(), group_id, roles, tokenizers, sampling,
                                             self.generate, purpose, rng, context)
-            except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run
+            except Exception as exc:  # an env bug or a lost turn abandons one episode, not the run (failures.py)
                 log.warning("episode of group %s abandoned: %r", group_id, exc)
+                await failures.record(self.bus, self.k_failed, self.state.episodes_failed, purpose, roles)
                 return None
         await self.record(result)
         return result
@@ -201,13 +204,14 @@ class Coordinator:
 
     # --- training groups ----------------------------------------------------
     def roles_for_group(self, index: int) -> dict[str, Player]:
-        env_cfg = self.cfg.environment
-        roles = list(env_cfg.roles)
-        agents = [env_cfg.roles[r] for r in roles]
-        if env_cfg.alternate_roles:
-            k = index % len(agents)
-            agents = agents[k:] + agents[:k]
-        return dict(zip(roles, agents, strict=True))
+        """Group ``index``'s players: matchups cycled (or roles), the same after a restart (``group_roles``)."""
+        return self.cfg.environment.group_roles(index)
+
+    def passes_over(self, roles: dict[str, Player]) -> bool:
+        """A matchup whose agents want no group is passed over while another agent wants some (not stalled)."""
+        if any(self.state.agents[a].wants_groups() for a in self.trained(roles)):
+            return False
+        return any(a.wants_groups() for a in self.state.agents.values())
 
     def resolve_pool(self, roles: dict[str, Player]) -> dict[str, Player]:
         """A ``Pool`` player becomes one of its agent's last ``pool_size`` versions, drawn per group."""
@@ -294,9 +298,13 @@ class Coordinator:
             roles = self.roles_for_group(self.state.groups_launched)
             async with self.changed:
                 await self.changed.wait_for(lambda r=roles: self.state.stop_requested or self.all_finished() or (
-                    not self.state.paused and self.may_launch(r, self.state.groups_launched)))
+                    not self.state.paused and (self.may_launch(r, self.state.groups_launched) or self.passes_over(r))))
             if self.state.stop_requested or self.all_finished():
                 break
+            if self.passes_over(roles):
+                self.state.groups_launched += 1  # no ledger entry: nobody trains on it; a restart passes it again
+                self.state.gate_wait = None
+                continue
             index, agents = self.state.groups_launched, self.trained(roles)
             group_id = f"g{index:06d}-{new_id()[:8]}"
             await self.ledger.launch(group_id, index, agents)

@@ -151,6 +151,7 @@ class RunState:
     episode_times: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     groups_launched: int = 0
     gate_wait: GateWait | None = None  # the next group, while a gate holds it
+    episodes_failed: dict[str, dict[str, int]] = field(default_factory=dict)  # purpose -> total/agent (failures.py)
 
     @classmethod
     def from_config(cls, cfg: TandemConfig) -> RunState:
@@ -233,6 +234,7 @@ class RunState:
             "uptime_s": round(time.time() - self.started_at, 1),
             "episodes": self.episodes_done,
             "episodes_per_s": round(self.episodes_per_s(), 3),
+            "episodes_failed": self.episodes_failed,
             "total_steps": self.cfg.run.total_steps,
             "agents": agents,
             "waiting_group": self.gate_wait.status() if self.gate_wait else None,

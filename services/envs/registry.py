@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from services.contracts.config import EnvironmentConfig
-from services.contracts.players import Scripted
+from services.contracts.players import Scripted, cycle_roles
 from services.envs.base import Environment, EnvParamError
 from services.envs.params import describe as describe_params
 
@@ -80,13 +80,13 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
                          f"missing {missing}, unknown {extra}")
     for role, player in env_cfg.scripted().items():
         check_scripted(env_cls, role, player.name, f"environment.roles.{role}")
-    if env_cfg.alternate_roles:  # the coordinator rotates the whole role -> player map every group
-        roles, players = list(env_cfg.roles), list(env_cfg.roles.values())
-        for k in range(1, len(players)):
-            for role, player in zip(roles, players[k:] + players[:k], strict=True):
-                if isinstance(player, Scripted):
-                    check_scripted(env_cls, role, player.name,
-                                   f"environment.alternate_roles (rotated, roles.{role} = {player})")
+    for field, mapping in env_cfg.training_maps():  # every seat a group can give a scripted player
+        for i in range(len(env_cls.roles) if env_cfg.alternate_roles else 1):  # the coordinator's rotations
+            seats = cycle_roles(list(env_cfg.roles), [mapping], True, i)
+            for role, player in seats.items():
+                if isinstance(player, Scripted) and (i or field != "environment.roles"):  # roles: checked above
+                    check_scripted(env_cls, role, player.name, f"{field}.{role}" if not i else
+                                   f"environment.alternate_roles (rotated: {field} puts {player} in {role})")
     if env_cfg.eval.episodes:
         field = "opponents" if env_cfg.eval.opponents else "opponent"
         for i, opponent in enumerate(env_cfg.eval.opponent_list()):

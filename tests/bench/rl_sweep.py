@@ -9,6 +9,10 @@ Each agent's ``Sample``s (``EpisodeResult.samples``, group sizes counted as the 
 counts them) go through ``TorchPolicy.train_step``; the new weights are saved and loaded into
 the agent's engine as the next version, as the trainer and rollout do.
 
+``--matchups`` plays the coordinator's own schedule instead (``environment.matchups``, cycled over
+the run's groups with seats alternating: config.py ``group_roles``), e.g.
+``--matchups X=A,O=B X=A,O=scripted:minimax X=scripted:minimax,O=B``.
+
 ``--train-vs`` mixes in groups against the env's scripted players (cycled over a step's groups:
 ``partner`` is the A-vs-B game, ``minimax`` or ``random`` a group in which one agent, A and B in
 turn, plays that scripted player; only the agent's side is trained on), a training opponent pool
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -56,17 +61,26 @@ from services.training.torch_backend import TorchPolicy  # noqa: E402
 
 AGENTS = ("A", "B")
 # Options added after callers (tests/bench/bench_system.py) built their own Namespace: read with ``opt``.
-DEFAULTS: dict[str, Any] = {"train_vs": ["partner"], "eval_opponents": ["random", "minimax"], "entropy_coef": 0.0,
-                            "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant"}
+DEFAULTS: dict[str, Any] = {"train_vs": ["partner"], "matchups": [], "eval_opponents": ["random", "minimax"],
+                            "entropy_coef": 0.0, "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant"}
 
 
 def opt(args: argparse.Namespace, name: str) -> Any:
     return getattr(args, name, DEFAULTS[name])
 
 
+@lru_cache(maxsize=4)
+def matchup_config(matchups: tuple[str, ...]) -> EnvironmentConfig:
+    """``--matchups`` (each ``X=A,O=scripted:minimax``) as the environment config the coordinator reads."""
+    maps = [dict(pair.split("=", 1) for pair in m.split(",")) for m in matchups]
+    return EnvironmentConfig(name="tictactoe", roles={"X": "A", "O": "B"}, alternate_roles=True, matchups=maps)
+
+
 def group_roles(args: argparse.Namespace, step: int, g: int) -> dict[str, Player]:
     """Group ``g``'s role map: A against B (sides alternating per group), or one agent against a scripted
     player (``--train-vs``, cycled over the groups; the agent and its side alternate)."""
+    if opt(args, "matchups"):  # the coordinator's schedule (config.py group_roles), group index step * groups + g
+        return matchup_config(tuple(opt(args, "matchups"))).group_roles(step * args.groups + g)
     pool = opt(args, "train_vs")
     kind = g % len(pool)
     other = pool[kind]
@@ -220,6 +234,8 @@ def main() -> None:
     ap.add_argument("--train-vs", nargs="+", default=DEFAULTS["train_vs"],
                     choices=["partner", *TicTacToe.scripted_players],
                     help="training opponents cycled over a step's groups (partner: A vs B)")
+    ap.add_argument("--matchups", nargs="+", default=[], help="environment.matchups, each X=A,O=scripted:minimax "
+                    "(cycled over the run's groups, seats alternating; replaces --train-vs)")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
