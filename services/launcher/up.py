@@ -97,14 +97,18 @@ def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
 
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
     """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
-    and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``)."""
-    for agent, acfg in cfg.agents.items():
-        base = ["--config", config_path, "--agent", agent]
-        group.start(f"rollout.{agent}", python_module("services.rollout", *base))
-        if acfg.train:  # a frozen agent has its rollout (router and engines) only
-            group.start(f"buffer.{agent}", python_module("services.buffer", *base))
-            group.start(f"trainer.{agent}", trainer_command(acfg, base))
+    and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``). The order is
+    the first turn's critical path: the rollouts (their engines are the slowest start), the coordinator,
+    then the buffers and trainers (needed only once the first groups are played); all start at once."""
+    base = {agent: ["--config", config_path, "--agent", agent] for agent in cfg.agents}
+    for agent in cfg.agents:
+        group.start(f"rollout.{agent}", python_module("services.rollout", *base[agent]))
     group.start("coordinator", python_module("services.coordinator", "--config", config_path, "--port", str(api_port)))
+    trained = [agent for agent, acfg in cfg.agents.items() if acfg.train]  # a frozen agent: its rollout only
+    for agent in trained:
+        group.start(f"buffer.{agent}", python_module("services.buffer", *base[agent]))
+    for agent in trained:
+        group.start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base[agent]))
     return f"http://{cfg.api.host}:{api_port}"
 
 
