@@ -132,11 +132,15 @@ def wipe_run(cfg: TandemConfig) -> None:
 
 @dataclass
 class RedisProcess(Supervised):
-    """The embedded Valkey under supervision: restarted on the same port, password and AOF."""
+    """The embedded Valkey under supervision: restarted on the same port, password and AOF, in a thread of its
+    own (replaying a large AOF takes a while; the launcher's loop goes on supervising the services meanwhile)."""
 
     server: EmbeddedRedis | None = None
+    restarting: threading.Thread | None = None
 
     def failed(self) -> bool:
+        if self.restarting is not None and self.restarting.is_alive():
+            return False  # a restart under way: it ends answering, or dead (then this is failed again)
         return self.server is not None and not self.server.alive()
 
     def exit_code(self) -> int | None:
@@ -144,7 +148,39 @@ class RedisProcess(Supervised):
 
     def respawn(self) -> None:
         assert self.server is not None
-        self.server.restart()
+        self.restarting = threading.Thread(target=self._restart, name="valkey-restart", daemon=True)
+        self.restarting.start()
+
+    def _restart(self) -> None:
+        assert self.server is not None
+        try:
+            self.server.restart()
+        except RuntimeError as exc:  # it did not come up: the next supervision counts another death
+            log.warning("the embedded Redis did not come back: %s", exc)
+
+    def join(self, timeout: float = 60.0) -> None:
+        if self.restarting is not None:
+            self.restarting.join(timeout)
+
+
+class EngineRestarts:
+    """Engine restarts per agent (``engines.<agent>``) from the statuses the launcher polls: each rollout's
+    fleet counts its engines' restarts, from 0 again when the rollout itself restarts."""
+
+    def __init__(self, ledger: RestartLedger) -> None:
+        self.ledger = ledger
+        self.seen: dict[str, int] = {}  # agent -> restarts the current rollout reports
+        self.total: dict[str, int] = {}  # agent -> restarts in this session
+
+    def update(self, status: dict | None) -> None:
+        for agent, a in ((status or {}).get("agents") or {}).items():
+            now = sum(int(e.get("restarts") or 0) for e in (a.get("rollout") or {}).get("engines") or [])
+            new = now - self.seen.get(agent, 0) if now >= self.seen.get(agent, 0) else now  # a new fleet
+            self.seen[agent] = now
+            if new > 0:
+                name = f"engines.{agent}"
+                self.total[name] = self.total.get(name, 0) + new
+                self.ledger.record(name, self.total[name], new)
 
 
 class RestartLedger:
@@ -155,9 +191,9 @@ class RestartLedger:
         self.client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
         self.key = Streams(run).restarts()
 
-    def record(self, name: str, _count: int) -> None:
+    def record(self, name: str, _count: int, n: int = 1) -> None:
         try:
-            self.client.hincrby(self.key, name, 1)
+            self.client.hincrby(self.key, name, n)
         except redis_lib.RedisError as exc:
             log.warning("could not record the restart of %s: %s", name, exc)
 
@@ -199,6 +235,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     if threading.current_thread() is threading.main_thread():  # SIGTERM stops the run like Ctrl-C
         signal.signal(signal.SIGTERM, _interrupt)
     ledger = RestartLedger(redis_url, cfg.run.name)
+    engines = EngineRestarts(ledger)
     group = ProcessGroup(run_dir / "logs", child_env(env), echo,
                          RestartBudget(cfg.run.max_restarts, cfg.run.restart_window_s), ledger.record)
     if redis is not None:
@@ -206,7 +243,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     code = 0
     try:
         api = start_services(cfg, config_path, group, api_port)
-        code = watch(group, api, console, cfg.api.token)
+        code = watch(group, api, console, cfg.api.token, engines)
     except KeyboardInterrupt:
         console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
                       f" (continue with `tandem up {config_path} --resume`)")
@@ -216,7 +253,10 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         code = 1
     finally:
         group.stop_all()
-        restarts = ledger.counts(group.restart_counts())
+        for other in group.others:
+            if isinstance(other, RedisProcess):
+                other.join()  # a restart under way ends before the counts are read and the server stopped
+        restarts = ledger.counts({**group.restart_counts(), **engines.total})
         ledger.client.close()
         if redis is not None:
             redis.stop()
@@ -242,9 +282,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def watch(group: ProcessGroup, api: str, console: Console, token: str = "") -> int:
+def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
+          engines: EngineRestarts | None = None) -> int:
     """Supervise the children (restart a dead one within the budget) and refresh progress until the
-    coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget."""
+    coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget. Once the status says
+    the run is over (``done`` or ``stopped``) only the coordinator is still restarted: it writes the report
+    and stops the others, and a service that dies then is not started again."""
     waiter = threading.Event()
     status = None
     progress = Progress()
@@ -265,6 +308,10 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "") -> i
                                   f"{time.time() - started:.0f}s")
                     announced = True
                 progress.update(status)
+                if engines is not None:
+                    engines.update(status)
+                if status.get("phase") in ("done", "stopped"):
+                    group.winding_down.set()
             except (httpx.HTTPError, ValueError):
                 pass
             restarts = group.restart_counts()
