@@ -68,7 +68,7 @@ def label(cmd: list[str]) -> str:
     module = cmd[cmd.index("-m") + 1]
     if "--engine-id" in cmd:
         return f"engine.{cmd[cmd.index('--engine-id') + 1]}"
-    if module.startswith("sglang_router"):
+    if module.startswith("sglang_router") or module == "services.common.router_main":
         return "router"
     name = module.removeprefix("services.").split(".")[0]
     return f"{name}.{cmd[cmd.index('--agent') + 1]}" if "--agent" in cmd else name
@@ -95,6 +95,11 @@ def phases(events: list[tuple[float, str, str]]) -> dict[str, float]:
     return out
 
 
+def streamed(client: redis.Redis, pattern: str) -> bool:
+    """Whether a stream matching ``pattern`` has an entry (other keys under the pattern are skipped)."""
+    return any(client.type(k) == b"stream" and client.xlen(k) for k in client.scan_iter(pattern))
+
+
 def one_run(root: Path, model: Path, steps: int, trace: Path | None) -> dict[str, Any]:
     """One ``tandem up``: seconds from the launch to each marker, the first turn and the first train step."""
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis(data_dir=Path(d) / "redis") as server:
@@ -119,9 +124,9 @@ def one_run(root: Path, model: Path, steps: int, trace: Path | None) -> dict[str
         first_turn = first_step = None
         while proc.poll() is None and time.monotonic() - started < 600:
             now = time.monotonic() - started
-            if first_turn is None and any(client.xlen(k) for k in client.scan_iter("tandem:startup:replies:*")):
+            if first_turn is None and streamed(client, "tandem:startup:replies:*"):
                 first_turn = now
-            if first_step is None and any(client.xlen(k) for k in client.scan_iter("tandem:startup:weights:*")):
+            if first_step is None and streamed(client, "tandem:startup:weights:*"):
                 first_step = now
             if first_step is not None:
                 break
