@@ -66,6 +66,7 @@ def test_valkey_restarts_without_blocking_the_loop(tmp_path: Path) -> None:
         notes = group.supervise()
         assert time.monotonic() - started < 0.5 and notes[-1] == "redis restarted (restart 1)"
         valkey.join()
+        time.sleep(1.0)  # still up after the restart (the thread that started it lives on: no parent-death signal)
         assert server.alive() and not valkey.failed()
         assert redis.Redis.from_url(server.url).get("kept") == b"1"  # on its AOF
     finally:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import shutil
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -132,14 +133,18 @@ def wipe_run(cfg: TandemConfig) -> None:
 
 @dataclass
 class RedisProcess(Supervised):
-    """The embedded Valkey under supervision: restarted on the same port, password and AOF, in a thread of its
-    own (replaying a large AOF takes a while; the launcher's loop goes on supervising the services meanwhile)."""
+    """The embedded Valkey under supervision: restarted on the same port, password and AOF, by a thread of its
+    own that lives as long as the launcher (replaying a large AOF takes a while; the launcher's loop goes on
+    supervising the services meanwhile). One long-lived thread, because the parent-death signal that ends
+    Valkey with the launcher fires when the *thread* that started it exits."""
 
     server: EmbeddedRedis | None = None
-    restarting: threading.Thread | None = None
+    busy: threading.Event = field(default_factory=threading.Event)  # a restart is under way
+    requests: queue.Queue[None] = field(default_factory=queue.Queue)
+    worker: threading.Thread | None = None
 
     def failed(self) -> bool:
-        if self.restarting is not None and self.restarting.is_alive():
+        if self.busy.is_set():
             return False  # a restart under way: it ends answering, or dead (then this is failed again)
         return self.server is not None and not self.server.alive()
 
@@ -147,20 +152,28 @@ class RedisProcess(Supervised):
         return self.server.proc.poll() if self.server and self.server.proc else None
 
     def respawn(self) -> None:
-        assert self.server is not None
-        self.restarting = threading.Thread(target=self._restart, name="valkey-restart", daemon=True)
-        self.restarting.start()
+        if self.worker is None:
+            self.worker = threading.Thread(target=self._serve, name="valkey-restarts", daemon=True)
+            self.worker.start()
+        self.busy.set()
+        self.requests.put(None)
 
-    def _restart(self) -> None:
+    def _serve(self) -> None:
         assert self.server is not None
-        try:
-            self.server.restart()
-        except RuntimeError as exc:  # it did not come up: the next supervision counts another death
-            log.warning("the embedded Redis did not come back: %s", exc)
+        while True:
+            self.requests.get()
+            try:
+                self.server.restart()
+            except RuntimeError as exc:  # it did not come up: the next supervision counts another death
+                log.warning("the embedded Redis did not come back: %s", exc)
+            finally:
+                self.busy.clear()
 
     def join(self, timeout: float = 60.0) -> None:
-        if self.restarting is not None:
-            self.restarting.join(timeout)
+        """Wait for a restart under way to end."""
+        deadline = time.monotonic() + timeout
+        while self.busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class EngineRestarts:

@@ -68,7 +68,7 @@ def label(cmd: list[str]) -> str:
     module = cmd[cmd.index("-m") + 1]
     if "--engine-id" in cmd:
         return f"engine.{cmd[cmd.index('--engine-id') + 1]}"
-    if module.startswith("sglang_router") or module == "services.common.router_main":
+    if module.startswith("sglang_router") or module == "services.common.sglang_router_main":
         return "router"
     name = module.removeprefix("services.").split(".")[0]
     return f"{name}.{cmd[cmd.index('--agent') + 1]}" if "--agent" in cmd else name

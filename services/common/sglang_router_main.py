@@ -1,4 +1,4 @@
-"""``python -m services.common.router_main ARGS``: the real SGLang router (its Rust ``Router``), started as
+"""``python -m services.common.sglang_router_main ARGS``: the real SGLang router (its Rust ``Router``), started as
 ``python -m sglang_router.launch_router ARGS`` starts it, with the same arguments, minus that launcher's
 imports of its Python mini load balancer (fastapi, aiohttp, sglang: about 2 s of CPU per router, 700
 modules, at the run's busiest moment; this imports 30 ms). docs/architecture.md §2.3 and §9.
@@ -14,7 +14,7 @@ from sglang_router.router_args import RouterArgs
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.common.router_main",
+    parser = argparse.ArgumentParser(prog="python -m services.common.sglang_router_main",
                                      description="the SGLang router (sglang_router.launch_router's arguments)")
     RouterArgs.add_cli_args(parser, use_router_prefix=False)
     args = RouterArgs.from_cli_args(parser.parse_args(sys.argv[1:] if argv is None else argv),
