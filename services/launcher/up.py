@@ -152,7 +152,7 @@ class RedisProcess(Supervised):
         return self.server.proc.poll() if self.server and self.server.proc else None
 
     def respawn(self) -> None:
-        if self.worker is None:
+        if self.worker is None or not self.worker.is_alive():
             self.worker = threading.Thread(target=self._serve, name="valkey-restarts", daemon=True)
             self.worker.start()
         self.busy.set()
@@ -164,7 +164,7 @@ class RedisProcess(Supervised):
             self.requests.get()
             try:
                 self.server.restart()
-            except RuntimeError as exc:  # it did not come up: the next supervision counts another death
+            except Exception as exc:  # it did not come up: the next supervision counts another death
                 log.warning("the embedded Redis did not come back: %s", exc)
             finally:
                 self.busy.clear()
@@ -203,14 +203,25 @@ class RestartLedger:
     def __init__(self, redis_url: str, run: str) -> None:
         self.client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
         self.key = Streams(run).restarts()
+        self.pending: dict[str, int] = {}  # restarts not yet written (Redis was down)
 
     def record(self, name: str, _count: int, n: int = 1) -> None:
-        try:
-            self.client.hincrby(self.key, name, n)
-        except redis_lib.RedisError as exc:
-            log.warning("could not record the restart of %s: %s", name, exc)
+        """Add ``n`` restarts of ``name``; while Redis is down (its own restart is under way) they wait for
+        the next record or ``counts``."""
+        self.pending[name] = self.pending.get(name, 0) + n
+        self.flush()
+
+    def flush(self) -> None:
+        for name, n in list(self.pending.items()):
+            try:
+                self.client.hincrby(self.key, name, n)
+            except redis_lib.RedisError as exc:
+                log.info("restarts of %s not recorded yet: %s", name, exc)
+                return
+            del self.pending[name]
 
     def counts(self, local: dict[str, int]) -> dict[str, int]:
+        self.flush()
         try:
             stored = {k.decode(): int(v) for k, v in self.client.hgetall(self.key).items()}
         except redis_lib.RedisError:
@@ -312,6 +323,8 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
         while True:
             for note in group.supervise():
                 console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
+            if engines is not None and engines.ledger.pending:
+                engines.ledger.flush()  # restarts counted while Redis itself was restarting
             if group.exited("coordinator") == 0:
                 return 0
             try:
