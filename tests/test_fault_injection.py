@@ -243,6 +243,7 @@ def test_summary_counts_the_restarts_of_every_killed_service(run):
         if kind == "engine":  # restarted by its rollout's fleet, not the launcher
             assert "engine http://" in run["rollout_logs"][agent] and "is back (restart" in \
                 run["rollout_logs"][agent], run["rollout_logs"][agent][-3000:]
+            assert restarts.get(f"engines.{agent}", 0) >= 1, restarts  # the launcher reads them off the status
             continue
         service = kind if kind in ("coordinator", "redis") else f"{kind}.{agent}"
         assert restarts.get(service, 0) >= 1, (service, restarts)

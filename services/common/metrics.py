@@ -11,7 +11,9 @@ Two kinds of registry:
   receives), its episode records, its evaluations and the dead-letter stream:
   among them the illegal or format-failure rate of the agent's training
   episodes and, per eval opponent, the latest score, its standard error and
-  illegal rate.
+  illegal rate; and the staleness gates: which agent's gate holds the next
+  group back now, the groups and seconds each gate held back, and whose
+  gate held back each agent's groups (docs/architecture.md §4).
 
 Values read off an event's ``data`` are read in one place, ``event_values``.
 """
@@ -114,8 +116,18 @@ class AgentView(Protocol):
     group_rewards: list[tuple[float, float]]
     rollout: dict[str, Any]
     train_play: Mapping[int, Any]  # weight version -> PlayCounts (coordinator/train_play.py)
+    groups_held: int  # groups whose launch this agent's staleness gate held back
+    held_back_by: dict[str, int]  # agent whose gate held one of this agent's groups back -> groups
 
     def blocked_by_staleness(self) -> bool: ...
+
+
+class GateWaitView(Protocol):
+    """The next group while a staleness gate holds its launch (coordinator/state.py ``GateWait``)."""
+
+    agents: list[str]
+    since: float
+    held_by: set[str]
 
 
 class RunView(Protocol):
@@ -124,7 +136,12 @@ class RunView(Protocol):
     episodes_done: int
     agents: Mapping[str, AgentView]
 
+    @property
+    def gate_wait(self) -> GateWaitView | None: ...
+
     def episodes_per_s(self, window: float = 30.0) -> float: ...
+
+    def held_seconds(self, a: Any, now: float | None = None) -> float: ...
 
 
 @dataclass
@@ -208,6 +225,7 @@ class RunMetrics(Collector):
             return
         yield from _run_series(state)
         yield from self._agent_series(state)
+        yield from _gate_series(state)
         yield from self._eval_series()
         dead = CounterMetricFamily("tandem_dead_letters", "Dead letters in the run, per agent ('' = none)",
                                    labels=["agent"])
@@ -343,6 +361,29 @@ def _run_series(state: RunView) -> Iterator[Metric]:
     phase = GaugeMetricFamily("tandem_phase", "1 for the run's current phase", labels=["phase"])
     phase.add_metric([state.phase], 1.0)
     yield phase
+
+
+def _gate_series(state: RunView, now: float | None = None) -> Iterator[Metric]:
+    """Which staleness gate holds launches back, how often and how long (docs/architecture.md §4)."""
+    now = time.time() if now is None else now
+    wait = state.gate_wait
+    holding = GaugeMetricFamily("tandem_gate_holding", "1 while this agent's staleness gate holds the next "
+                                "group's launch back", labels=["agent"])
+    held = CounterMetricFamily("tandem_gate_held_groups", "Groups whose launch this agent's staleness gate held "
+                               "back", labels=["agent"])
+    held_s = CounterMetricFamily("tandem_gate_held_seconds", "Seconds this agent's staleness gate held launches "
+                                 "back (the next group's wait so far included)", labels=["agent"])
+    back = CounterMetricFamily("tandem_gate_held_back_groups", "Groups of this agent whose launch a staleness "
+                               "gate held back, by the agent whose gate it was", labels=["agent", "gate"])
+    for name, a in state.agents.items():
+        holding.add_metric([name], float(bool(wait and name in wait.held_by and a.blocked_by_staleness())))
+        held.add_metric([name], a.groups_held)
+        held_s.add_metric([name], state.held_seconds(a, now))
+        for gate, n in sorted(a.held_back_by.items()):
+            back.add_metric([name, gate], n)
+    yield from (holding, held, held_s, back, GaugeMetricFamily(
+        "tandem_gate_wait_seconds", "How long the next group has waited for a closed staleness gate (0: none waits)",
+        value=max(now - wait.since, 0.0) if wait else 0.0))
 
 
 def _buckets(values: list[float]) -> tuple[list[tuple[str, float]], float]:

@@ -58,7 +58,7 @@ def router_command(port: int, worker_urls: list[str], policy: str = "round_robin
                    admin_token: str | None = None) -> list[str]:
     """The command line that starts the SGLang router in front of ``worker_urls`` (with ``admin_token``:
     its worker admin API and its data plane need that bearer token)."""
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-m", "services.common.sglang_router_main", "--host", host, "--port", str(port),
            "--policy", policy, "--worker-startup-check-interval", "1",
            "--worker-startup-timeout-secs", str(startup_timeout_s),
            "--health-check-interval-secs", str(health_interval_s),

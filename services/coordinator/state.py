@@ -185,6 +185,13 @@ class RunState:
                 held = self.agents[name].held_back_by
                 held[gate] = held.get(gate, 0) + 1
 
+    def held_seconds(self, a: AgentState, now: float | None = None) -> float:
+        """Seconds ``a``'s gate has held launches back, the next group's wait so far included (it only grows:
+        at the launch that wait moves into ``held_s``)."""
+        wait = self.gate_wait
+        ongoing = (time.time() if now is None else now) - wait.since if wait and a.name in wait.held_by else 0.0
+        return a.held_s + max(ongoing, 0.0)
+
     def gate_status(self, a: AgentState) -> dict[str, Any]:
         wait = self.gate_wait
         return {"open": not a.blocked_by_staleness(),

@@ -54,7 +54,11 @@ def pass_through(argv: list[str]) -> None:
 
 
 def init_demo(out_dir: str | None, force: bool, task: str = "tictactoe") -> None:
+    """Create and warm-start the demo model. The models are tiny: torch runs one thread unless
+    ``OMP_NUM_THREADS`` says otherwise (more only spin: ~15x slower on a loaded 2-core machine)."""
     from pathlib import Path
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch is first imported, just below
 
     out_dir = out_dir or ("models/demo-guess" if task == "guess" else "models/demo-ttt")
     if (Path(out_dir) / "model.safetensors").exists() and not force:

@@ -108,6 +108,8 @@ class ProcessGroup:
     children: list[Child] = field(default_factory=list)
     others: list[Supervised] = field(default_factory=list)  # supervised first (the embedded Redis)
     stopping: threading.Event = field(default_factory=threading.Event)
+    winding_down: threading.Event = field(default_factory=threading.Event)  # the run is over: see supervise
+    let_go: set[str] = field(default_factory=set)  # children that died while winding down (not restarted)
 
     def _spawn(self, name: str, cmd: list[str]) -> tuple[subprocess.Popen[bytes], threading.Thread]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -136,11 +138,18 @@ class ProcessGroup:
     def supervise(self, now: float | None = None) -> list[str]:
         """Restart the children that died and whose backoff is over; return what happened, one line each.
 
-        Raises ``ServiceFailed`` when a critical child died with its restart budget spent."""
+        Raises ``ServiceFailed`` when a critical child died with its restart budget spent. While the run
+        winds down (``winding_down``: its work is done, the coordinator is stopping the services) only the
+        coordinator and the ``others`` (the embedded Redis) are restarted."""
         now = time.monotonic() if now is None else now
         notes = []
         for c in [*self.others, *self.children]:
             if not c.critical or self.stopping.is_set() or not c.failed():
+                continue
+            if self.winding_down.is_set() and c in self.children and c.name != "coordinator":
+                if c.name not in self.let_go:  # noted once
+                    notes.append(f"{c.name} exited (code {c.exit_code()}) while the run winds down: not restarted")
+                    self.let_go.add(c.name)
                 continue
             if c.due is None:
                 code = c.exit_code()

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import shutil
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -97,14 +98,18 @@ def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
 
 def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
     """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
-    and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``)."""
-    for agent, acfg in cfg.agents.items():
-        base = ["--config", config_path, "--agent", agent]
-        group.start(f"rollout.{agent}", python_module("services.rollout", *base))
-        if acfg.train:  # a frozen agent has its rollout (router and engines) only
-            group.start(f"buffer.{agent}", python_module("services.buffer", *base))
-            group.start(f"trainer.{agent}", trainer_command(acfg, base))
+    and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``). The order is
+    the first turn's critical path: the rollouts (their engines are the slowest start), the coordinator,
+    then the buffers and trainers (needed only once the first groups are played); all start at once."""
+    base = {agent: ["--config", config_path, "--agent", agent] for agent in cfg.agents}
+    for agent in cfg.agents:
+        group.start(f"rollout.{agent}", python_module("services.rollout", *base[agent]))
     group.start("coordinator", python_module("services.coordinator", "--config", config_path, "--port", str(api_port)))
+    trained = [agent for agent, acfg in cfg.agents.items() if acfg.train]  # a frozen agent: its rollout only
+    for agent in trained:
+        group.start(f"buffer.{agent}", python_module("services.buffer", *base[agent]))
+    for agent in trained:
+        group.start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base[agent]))
     return f"http://{cfg.api.host}:{api_port}"
 
 
@@ -128,19 +133,67 @@ def wipe_run(cfg: TandemConfig) -> None:
 
 @dataclass
 class RedisProcess(Supervised):
-    """The embedded Valkey under supervision: restarted on the same port, password and AOF."""
+    """The embedded Valkey under supervision: restarted on the same port, password and AOF, by a thread of its
+    own that lives as long as the launcher (replaying a large AOF takes a while; the launcher's loop goes on
+    supervising the services meanwhile). One long-lived thread, because the parent-death signal that ends
+    Valkey with the launcher fires when the *thread* that started it exits."""
 
     server: EmbeddedRedis | None = None
+    busy: threading.Event = field(default_factory=threading.Event)  # a restart is under way
+    requests: queue.Queue[None] = field(default_factory=queue.Queue)
+    worker: threading.Thread | None = None
 
     def failed(self) -> bool:
+        if self.busy.is_set():
+            return False  # a restart under way: it ends answering, or dead (then this is failed again)
         return self.server is not None and not self.server.alive()
 
     def exit_code(self) -> int | None:
         return self.server.proc.poll() if self.server and self.server.proc else None
 
     def respawn(self) -> None:
+        if self.worker is None or not self.worker.is_alive():
+            self.worker = threading.Thread(target=self._serve, name="valkey-restarts", daemon=True)
+            self.worker.start()
+        self.busy.set()
+        self.requests.put(None)
+
+    def _serve(self) -> None:
         assert self.server is not None
-        self.server.restart()
+        while True:
+            self.requests.get()
+            try:
+                self.server.restart()
+            except Exception as exc:  # it did not come up: the next supervision counts another death
+                log.warning("the embedded Redis did not come back: %s", exc)
+            finally:
+                self.busy.clear()
+
+    def join(self, timeout: float = 60.0) -> None:
+        """Wait for a restart under way to end."""
+        deadline = time.monotonic() + timeout
+        while self.busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class EngineRestarts:
+    """Engine restarts per agent (``engines.<agent>``) from the statuses the launcher polls: each rollout's
+    fleet counts its engines' restarts, from 0 again when the rollout itself restarts."""
+
+    def __init__(self, ledger: RestartLedger) -> None:
+        self.ledger = ledger
+        self.seen: dict[str, int] = {}  # agent -> restarts the current rollout reports
+        self.total: dict[str, int] = {}  # agent -> restarts in this session
+
+    def update(self, status: dict | None) -> None:
+        for agent, a in ((status or {}).get("agents") or {}).items():
+            now = sum(int(e.get("restarts") or 0) for e in (a.get("rollout") or {}).get("engines") or [])
+            new = now - self.seen.get(agent, 0) if now >= self.seen.get(agent, 0) else now  # a new fleet
+            self.seen[agent] = now
+            if new > 0:
+                name = f"engines.{agent}"
+                self.total[name] = self.total.get(name, 0) + new
+                self.ledger.record(name, self.total[name], new)
 
 
 class RestartLedger:
@@ -150,14 +203,25 @@ class RestartLedger:
     def __init__(self, redis_url: str, run: str) -> None:
         self.client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
         self.key = Streams(run).restarts()
+        self.pending: dict[str, int] = {}  # restarts not yet written (Redis was down)
 
-    def record(self, name: str, _count: int) -> None:
-        try:
-            self.client.hincrby(self.key, name, 1)
-        except redis_lib.RedisError as exc:
-            log.warning("could not record the restart of %s: %s", name, exc)
+    def record(self, name: str, _count: int, n: int = 1) -> None:
+        """Add ``n`` restarts of ``name``; while Redis is down (its own restart is under way) they wait for
+        the next record or ``counts``."""
+        self.pending[name] = self.pending.get(name, 0) + n
+        self.flush()
+
+    def flush(self) -> None:
+        for name, n in list(self.pending.items()):
+            try:
+                self.client.hincrby(self.key, name, n)
+            except redis_lib.RedisError as exc:
+                log.info("restarts of %s not recorded yet: %s", name, exc)
+                return
+            del self.pending[name]
 
     def counts(self, local: dict[str, int]) -> dict[str, int]:
+        self.flush()
         try:
             stored = {k.decode(): int(v) for k, v in self.client.hgetall(self.key).items()}
         except redis_lib.RedisError:
@@ -195,6 +259,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     if threading.current_thread() is threading.main_thread():  # SIGTERM stops the run like Ctrl-C
         signal.signal(signal.SIGTERM, _interrupt)
     ledger = RestartLedger(redis_url, cfg.run.name)
+    engines = EngineRestarts(ledger)
     group = ProcessGroup(run_dir / "logs", child_env(env), echo,
                          RestartBudget(cfg.run.max_restarts, cfg.run.restart_window_s), ledger.record)
     if redis is not None:
@@ -202,7 +267,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     code = 0
     try:
         api = start_services(cfg, config_path, group, api_port)
-        code = watch(group, api, console, cfg.api.token)
+        code = watch(group, api, console, cfg.api.token, engines)
     except KeyboardInterrupt:
         console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
                       f" (continue with `tandem up {config_path} --resume`)")
@@ -212,7 +277,10 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         code = 1
     finally:
         group.stop_all()
-        restarts = ledger.counts(group.restart_counts())
+        for other in group.others:
+            if isinstance(other, RedisProcess):
+                other.join()  # a restart under way ends before the counts are read and the server stopped
+        restarts = ledger.counts({**group.restart_counts(), **engines.total})
         ledger.client.close()
         if redis is not None:
             redis.stop()
@@ -238,9 +306,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def watch(group: ProcessGroup, api: str, console: Console, token: str = "") -> int:
+def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
+          engines: EngineRestarts | None = None) -> int:
     """Supervise the children (restart a dead one within the budget) and refresh progress until the
-    coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget."""
+    coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget. Once the status says
+    the run is over (``done`` or ``stopped``) only the coordinator is still restarted: it writes the report
+    and stops the others, and a service that dies then is not started again."""
     waiter = threading.Event()
     status = None
     progress = Progress()
@@ -252,6 +323,8 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "") -> i
         while True:
             for note in group.supervise():
                 console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
+            if engines is not None and engines.ledger.pending:
+                engines.ledger.flush()  # restarts counted while Redis itself was restarting
             if group.exited("coordinator") == 0:
                 return 0
             try:
@@ -261,6 +334,10 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "") -> i
                                   f"{time.time() - started:.0f}s")
                     announced = True
                 progress.update(status)
+                if engines is not None:
+                    engines.update(status)
+                if status.get("phase") in ("done", "stopped"):
+                    group.winding_down.set()
             except (httpx.HTTPError, ValueError):
                 pass
             restarts = group.restart_counts()

@@ -1,21 +1,52 @@
 """Rollout entry point: ``python -m services.rollout --config C --agent A [--router URL]``
-(the service: rollout/service.py)."""
+(the service: rollout/service.py).
+
+Start-up overlap (docs/architecture.md §9): before it imports its bus, HTTP clients and service, the
+rollout loads the config and starts its engines and router (``spawn.spawn_early``), so they import
+torch and load the model meanwhile. A config that does not load starts nothing here: the full path
+below then reports it and exits 2, as every service does.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import sys
 
-from services.common.bus import Bus
-from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
-from services.rollout.service import RolloutService
+from services.rollout.spawn import Spawned
 
 
-async def main_async(config: str, agent: str, router_url: str | None) -> int:
+def spawn_early(argv: list[str]) -> Spawned | None:
+    """The agent's engines and router, started from nothing but the config (None with ``--router``, or a
+    config or agent that does not load: the service's own checks then name the problem)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag in ("--config", "--agent", "--router"):
+        parser.add_argument(flag, default=None)
+    known, _ = parser.parse_known_args(argv)
+    if known.router is not None or known.config is None:
+        return None
+    from services.contracts.config import ConfigError, load_config
+    from services.rollout.spawn import spawn_early as start
+
+    try:
+        cfg = load_config(known.config)
+    except ConfigError:
+        return None
+    if known.agent not in cfg.agents or not cfg.redis_url:
+        return None
+    return start(cfg.agents[known.agent], known.agent)
+
+
+async def main_async(config: str, agent: str, router_url: str | None, early: Spawned | None = None) -> int:
+    from services.common.bus import Bus
+    from services.common.service import load_or_exit, run_service, setup_logging, watch_control
+    from services.rollout.service import RolloutService
+
     setup_logging(f"rollout.{agent}")
     cfg = load_or_exit(config, agent)
     bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}")
     s = bus.streams
-    rollout = await RolloutService.start(cfg, agent, bus, router_url)
+    rollout = await RolloutService.start(cfg, agent, bus, router_url, early=early)
     stop = asyncio.Event()
     try:
         await run_service(
@@ -31,9 +62,12 @@ async def main_async(config: str, agent: str, router_url: str | None) -> int:
 
 
 def main() -> None:
+    early = spawn_early(sys.argv[1:])
+    from services.common.service import parse_args
+
     args = parse_args("rollout", per_agent=True, extra=lambda p: p.add_argument(
         "--router", default=None, help="an externally managed router's URL (then no engines are started here)"))
-    raise SystemExit(asyncio.run(main_async(args.config, args.agent, args.router)))
+    raise SystemExit(asyncio.run(main_async(args.config, args.agent, args.router, early)))
 
 
 if __name__ == "__main__":

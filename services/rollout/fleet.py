@@ -1,8 +1,9 @@
 """The rollout's engines and router as child processes: start, register, watch, restart.
 
 ``EngineFleet.start()`` starts the real SGLang router (no workers) and ``num_engines`` engines
-(``services/rollout/commands.py``), waits for each engine's ``/health`` and registers it with the
-router at run time (``POST /workers``). ``supervise()`` then checks every engine each
+(``services/rollout/commands.py``) unless ``spawn.spawn_early`` already did (the rollout starts them
+before its own imports), waits for each engine's ``/health`` (asked every ``HEALTH_POLL_S``) and
+registers it with the router at run time (``POST /workers``). ``supervise()`` then checks every engine each
 ``interval`` seconds: a process that exited, or one whose ``/health_generate`` fails or does not
 answer within ``health_timeout`` seconds ``max_failures`` times in a row (hung), is deregistered
 (``DELETE /workers/{id}``: traffic moves to the healthy ones), killed and started again on its
@@ -22,20 +23,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from services.common.admin_token import ADMIN_TOKEN_ENV, new_token, token_from_env
-from services.common.embedded_redis import free_port
-from services.common.lifetime import die_with_parent
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
 from services.contracts.config import AgentConfig
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
+from services.rollout.spawn import Proc, Spawned, plan, spawn
+
+HEALTH_POLL_S = 0.05  # how often a starting engine's /health is asked (a refused connection costs microseconds)
 
 log = logging.getLogger("tandem.rollout.fleet")
 
@@ -45,7 +45,7 @@ class ManagedEngine:
     index: int
     port: int
     host: str
-    proc: asyncio.subprocess.Process | None = None
+    proc: Proc | None = None
     registered: bool = False
     restarts: int = 0
     failures: int = 0
@@ -62,39 +62,49 @@ class ManagedEngine:
 
 class EngineFleet:
     def __init__(self, agent: str, acfg: AgentConfig, host: str = "127.0.0.1", interval: float = 1.0,
-                 health_timeout: float = 20.0, max_failures: int = 3, start_timeout: float = 600.0) -> None:
+                 health_timeout: float = 20.0, max_failures: int = 3, start_timeout: float = 600.0,
+                 early: Spawned | None = None) -> None:
+        """``early``: the engines and router ``spawn.spawn_early`` already started (their ports and token)."""
         self.agent, self.acfg, self.host = agent, acfg, host
         self.interval, self.health_timeout = interval, health_timeout
         self.max_failures, self.start_timeout = max_failures, start_timeout
-        base = acfg.engine_base_port
-        self.engines = [ManagedEngine(i, base + i if base else free_port(), host) for i in range(acfg.num_engines)]
-        self.router_port = acfg.router_port or free_port()
+        early = early or plan(acfg)
+        self.engines = [ManagedEngine(i, port, host) for i, port in enumerate(early.engine_ports)]
+        for e, proc in zip(self.engines, early.engines, strict=False):
+            e.proc = proc
+        self.router_port = early.router_port
         self.router_url = f"http://{host}:{self.router_port}"
-        self.router: asyncio.subprocess.Process | None = None
+        self.router: Proc | None = early.router
         self.router_restarts = 0
         self.latest: tuple[str, int] | None = None  # (path, version) last loaded on the fleet
         self._lock = asyncio.Lock()
-        self.token = token_from_env() or new_token()  # the admin token of this run's engines and router
+        self.token = early.token  # the admin token of this run's engines and router
         self._http = httpx.AsyncClient(timeout=health_timeout)
         self._client = EngineClient(self.router_url, timeout=300.0, token=self.token)
 
-    async def _spawn(self, cmd: list[str]) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                    preexec_fn=die_with_parent(),
-                                                    env={**os.environ, ADMIN_TOKEN_ENV: self.token})
+    def _spawn(self, cmd: list[str]) -> Proc:
+        return spawn(cmd, self.token)
 
     def _router_command(self) -> list[str]:
         return router_command(self.router_port, [], host=self.host, admin_token=self.token)
 
     async def start(self) -> None:
-        self.router = await self._spawn(self._router_command())
+        """Start (or, after ``spawn_early``, wait for) the engines and the router, then register the engines."""
+        for e in self.engines:
+            if e.proc is None:
+                e.proc = self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host))
+        if self.router is None:
+            self.router = self._spawn(self._router_command())
         await asyncio.gather(*(self._boot(e) for e in self.engines))
         await wait_healthy(self.router_url, timeout=60)
         await asyncio.gather(*(self._register(e) for e in self.engines))
         log.info("router %s with %d engine(s) up", self.router_url, len(self.engines))
 
     async def _boot(self, e: ManagedEngine) -> None:
-        e.proc = await self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host))
+        """Wait for engine ``e`` (spawning it when it has no live process) to answer ``/health``."""
+        if not e.alive():
+            e.proc = self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host))
+        assert e.proc is not None
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if not e.alive():
@@ -102,7 +112,7 @@ class EngineFleet:
             with contextlib.suppress(httpx.HTTPError):
                 if (await self._http.get(f"{e.url}/health", timeout=2.0)).status_code == 200:
                     return
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(HEALTH_POLL_S)
         raise TimeoutError(f"engine {e.url} not healthy after {self.start_timeout:.0f}s")
 
     async def _register(self, e: ManagedEngine) -> None:
@@ -181,7 +191,7 @@ class EngineFleet:
             for e in self.engines:
                 e.registered = False  # nothing is routed to them until the new router lists them
         while True:
-            self.router = await self._spawn(self._router_command())
+            self.router = self._spawn(self._router_command())
             try:
                 await wait_healthy(self.router_url, timeout=60)
                 break

@@ -46,6 +46,7 @@ from services.rollout.batcher import TurnBatcher
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
 from services.rollout.fleet import EngineFleet
 from services.rollout.limiter import InflightLimiter
+from services.rollout.spawn import Spawned
 
 RETRIES = 5
 LOAD_EVERY_S = 2.0
@@ -67,11 +68,13 @@ class RolloutService:
         self.vocab = vocab_size(self.acfg.model_path)
 
     @classmethod
-    async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None) -> RolloutService:
-        """With no ``router_url``, start the agent's router and engines and put them on the loaded version."""
+    async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None,
+                    early: Spawned | None = None) -> RolloutService:
+        """With no ``router_url``, start the agent's router and engines (or adopt those ``early`` started) and
+        put them on the loaded version."""
         if router_url is not None:
             return cls(cfg, agent, bus, router_url)
-        fleet = EngineFleet(agent, cfg.agents[agent])
+        fleet = EngineFleet(agent, cfg.agents[agent], early=early)
         try:
             await fleet.start()
             await resume_weights(bus, agent, fleet)
