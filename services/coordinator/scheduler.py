@@ -30,6 +30,7 @@ from services.coordinator import evals, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
+from services.coordinator.replies import ReplyCheck
 from services.coordinator.report import write_report
 from services.coordinator.state import RunState, finite
 from services.envs.registry import check_environment_config
@@ -70,6 +71,7 @@ class Coordinator:
         self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play = bus.streams.key("coord:train_play")
+        self.replies = ReplyCheck(cfg, bus)  # engine replies checked before they enter an episode (replies.py)
 
     async def restore(self) -> None:
         """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
@@ -102,6 +104,8 @@ class Coordinator:
 
     async def on_reply(self, reply: GenerateReply) -> None:
         fut = self.pending.get(reply.request_id)
+        if (problem := self.replies.problem(reply)) is not None:  # rejected alone, its episode abandoned
+            await self.replies.reject(reply, fut, problem)  # raises Reject: dead-lettered with the reason
         if fut is not None and not fut.done():
             if reply.error:
                 fut.set_exception(RuntimeError(f"generation failed: {reply.error}"))
