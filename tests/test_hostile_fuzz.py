@@ -37,7 +37,7 @@ import yaml
 from safetensors.torch import load_file
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
-from services.common.weights_auth import sign, weights_checksum
+from services.common.weights_auth import run_secret, sign, weights_checksum
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.config import load_config
 from services.contracts.messages import DeadLetter, Event, GenerateReply, Sample, WeightsUpdate
@@ -155,7 +155,7 @@ def inject_weights(inj: Injector, client: redis.Redis, d: Path, start_model: Pat
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    secret = client.get(key("state:weights_secret"))
+    secret = run_secret()  # the run's secret: the environment's (tests/conftest.py), never Redis's
     checksum = weights_checksum(copy)
     inj.add(stream, WeightsUpdate(agent="A", weight_version=loaded, path=str(copy), checksum=checksum,
                                   signature=sign(secret, "A", loaded, str(copy), checksum)), "differs from the trainer")

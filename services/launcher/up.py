@@ -29,6 +29,7 @@ from rich.table import Table
 
 from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
+from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
 from services.launcher.processes import ProcessGroup, RestartBudget, Supervised, child_env, python_module
@@ -183,7 +184,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
             console.print(f"[dim]{name:>13}[/dim] │ {line}", markup=True, highlight=False, soft_wrap=True)
 
     redis = None
-    env: dict[str, str] = {}
+    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir)}  # weights signing: by environment, not Redis
     redis_url = cfg.redis_url
     if not cfg.redis_url:
         redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,

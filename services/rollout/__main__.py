@@ -7,12 +7,16 @@ import asyncio
 
 from services.common.bus import Bus
 from services.common.service import load_or_exit, parse_args, run_service, setup_logging, watch_control
+from services.common.weights_auth import secret_problem
 from services.rollout.service import RolloutService
 
 
 async def main_async(config: str, agent: str, router_url: str | None) -> int:
-    setup_logging(f"rollout.{agent}")
+    log = setup_logging(f"rollout.{agent}")
     cfg = load_or_exit(config, agent)
+    if (no_secret := secret_problem()) is not None:  # it verifies what its engines load (weights_auth.py)
+        log.error("%s", no_secret)
+        return 2
     bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}")
     s = bus.streams
     rollout = await RolloutService.start(cfg, agent, bus, router_url)
