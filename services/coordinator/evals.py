@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Local, Player
 from services.play.episode import EpisodeResult
-from services.play.evaluation import eval_roles, evaluate_against, opponent_label
+from services.play.evaluation import eval_roles, evaluate_against, fmt_report, opponent_label
 
 if TYPE_CHECKING:
     from services.coordinator.scheduler import Coordinator
@@ -73,9 +73,7 @@ async def evaluate_all(coord: Coordinator, label: str, players: dict[str, Player
                         "opponents": opponents,
                         "scores": {a: r["score"] for a, r in headline.items()}, "details": headline,
                         "vs": reports})
-    log.info("eval %s: %s", label, {f"{a} vs {o}": f"{r['score']} ± {r['score_se']} (w/d/l {r['wins']}/"
-                                    f"{r['draws']}/{r['losses']}, illegal {r['illegal_rate']})"
-                                    for a, vs in reports.items() for o, r in vs.items()})
+    log.info("eval %s: %s", label, {f"{a} vs {o}": fmt_report(r) for a, vs in reports.items() for o, r in vs.items()})
     return {a: r["score"] for a, r in headline.items()}
 
 

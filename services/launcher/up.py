@@ -34,6 +34,7 @@ from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
 from services.launcher.processes import ProcessGroup, RestartBudget, Supervised, child_env, python_module
 from services.launcher.progress import Progress, fmt_duration
+from services.play.evaluation import fmt_report
 
 log = logging.getLogger("tandem.launcher")
 
@@ -66,10 +67,8 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
 def latest_eval(status: dict) -> str:
     """The newest evaluation, one ``agent vs opponent score ± se (illegal rate)`` per pair."""
     ev = status["evals"][-1]
-    parts = [f"{agent} vs {opponent} {r['score']:.3f}"
-             + (f" ± {r['score_se']:.3f}" if r.get("score_se") is not None else "")
-             + (f" (illegal {r['illegal_rate']:.3f})" if r.get("illegal_rate") is not None else "")
-             for agent, vs in (ev.get("vs") or {}).items() for opponent, r in vs.items() if r.get("score") is not None]
+    parts = [f"{agent} vs {opponent} {fmt_report(r)}" for agent, vs in (ev.get("vs") or {}).items()
+             for opponent, r in vs.items() if r.get("score") is not None]
     return f"eval {ev.get('label')}: " + ("; ".join(parts) or "-")
 
 
