@@ -2,10 +2,12 @@
 
 Each evaluation plays every training agent against each of ``environment.eval``'s opponents
 through services/play/evaluation.py, the code ``tandem eval`` runs, and appends one entry to the
-run's evaluations::
+run's evaluations. A frozen agent (``train: false``, always version 0) is evaluated too, on its
+engines, at the start, the end and on demand (not every n steps: its weights never change), and
+listed under ``frozen``; its scores stay out of the training agents' headline figures::
 
     {"label": "start" | "step-4" | "end" | "on-demand", "time": ..., "versions": {agent: version},
-     "checkpoints": {agent: weights directory}, "opponents": [label, ...],
+     "checkpoints": {agent: weights directory}, "opponents": [label, ...], "frozen": [agent, ...],
      "scores": {agent: headline score}, "details": {agent: headline report},
      "vs": {agent: {opponent: report}}}
 
@@ -60,21 +62,25 @@ async def evaluate(coord: Coordinator, agent: str, player: Player | None = None)
 
 async def evaluate_all(coord: Coordinator, label: str, players: dict[str, Player] | None = None,
                        versions: dict[str, int] | None = None) -> dict[str, float | None]:
-    """Evaluate every training agent; append the entry to ``coord.evals``; return the headline scores."""
+    """Evaluate every training agent (and, on their engines, the frozen ones); append the entry to ``coord.evals``;
+    return the training agents' headline scores."""
     names = list(coord.state.agents)
+    frozen = [] if players else [a for a, c in coord.cfg.agents.items() if not c.train]  # on their engines
     players = players or {}
-    versions = versions or {a: coord.state.agents[a].loaded_weight_version for a in names}
-    reports = dict(zip(names, await asyncio.gather(*(evaluate(coord, a, players.get(a)) for a in names)),
+    versions = {**(versions or {a: coord.state.agents[a].loaded_weight_version for a in names}),
+                **dict.fromkeys(frozen, 0)}
+    every = names + frozen
+    reports = dict(zip(every, await asyncio.gather(*(evaluate(coord, a, players.get(a)) for a in every)),
                        strict=True))
     opponents = [opponent_label(o) for o in coord.cfg.environment.eval.opponent_list()]
     headline = {a: r[opponents[0]] for a, r in reports.items()}
     checkpoints = {a: coord.version_paths.get(a, {}).get(v) for a, v in versions.items()}
     coord.evals.append({"label": label, "time": time.time(), "versions": versions, "checkpoints": checkpoints,
-                        "opponents": opponents,
+                        "opponents": opponents, "frozen": frozen,
                         "scores": {a: r["score"] for a, r in headline.items()}, "details": headline,
                         "vs": reports})
     log.info("eval %s: %s", label, {f"{a} vs {o}": fmt_report(r) for a, vs in reports.items() for o, r in vs.items()})
-    return {a: r["score"] for a, r in headline.items()}
+    return {a: headline[a]["score"] for a in names}
 
 
 async def every_n_steps(coord: Coordinator) -> None:
