@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from importlib.metadata import version
@@ -24,6 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, here 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# the weights-signing secret `tandem up` hands its trainers and rollouts (services/common/weights_auth.py)
+os.environ.setdefault("TANDEM_WEIGHTS_SECRET", secrets.token_hex(32))
 
 import torch  # noqa: E402
 

@@ -30,6 +30,7 @@ from services.coordinator.tracking import RunLogger
 from services.envs.base import Environment
 from services.envs.tictactoe import TicTacToe
 from services.launcher.progress import Progress, fmt_duration
+from services.launcher.runs import group_steps
 from services.launcher.up import status_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,6 +166,13 @@ async def test_run_logger_writes_tensorboard_and_wandb_offline(tmp_path: Path) -
     assert acc.Tags()["tensors"] == ["transcripts/train/text_summary"]
     runs = list((cfg.run_dir() / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))[0].stat().st_size > 0
+
+
+def test_compare_places_each_group_on_the_training_step_axis() -> None:
+    groups = [(t, 0.0) for t in (1, 2, 3, 5, 6, 9)]
+    steps = [{"weight_version": 2, "time": 8}, {"weight_version": 1, "time": 4}]
+    assert group_steps(groups, steps) == pytest.approx([0, 1 / 3, 2 / 3, 1, 1.5, 2])  # as the dashboard's chart
+    assert group_steps(groups, []) == pytest.approx([i / 6 for i in range(6)])
 
 
 def test_runs_and_compare_over_two_reports(tmp_path: Path) -> None:

@@ -165,6 +165,21 @@ def test_redis_needs_its_password_and_is_not_published(kind, name):
                     next(v for v in redis[0].extra["service"]["volumes"] if v["target"] == "/secret").items()
 
 
+@pytest.mark.parametrize("kind,name", topologies())
+def test_only_trainers_and_rollouts_get_the_weights_secret(kind, name):
+    """The weights-signing secret is never in Redis (services/common/weights_auth.py): the trainers (which sign)
+    and the rollouts (which verify) get it by environment or a mounted file; no other container has it."""
+    for c in containers(kind, name):
+        if c.where.endswith("/redis-password"):  # compose's init container that writes the secrets
+            assert mounts(c).get("/weights") is True
+            continue
+        given = {"TANDEM_WEIGHTS_SECRET", "TANDEM_WEIGHTS_SECRET_FILE"} & set(c.env)
+        signs = c.module in ("services.trainer", "services.rollout")
+        assert bool(given) == signs and (signs or "/weights" not in mounts(c)), c.where
+        if "TANDEM_WEIGHTS_SECRET_FILE" in c.env:
+            assert mounts(c).get(str(Path(c.env["TANDEM_WEIGHTS_SECRET_FILE"]).parent)) is False, c.where
+
+
 # ---- consistency with the code ------------------------------------------------------------------------------------
 
 def _config_of(c: Container, kind: str, name: str) -> tuple[Path, TandemConfig]:

@@ -61,6 +61,7 @@ def test_in_run_evaluations_match_tandem_eval(run: tuple[Path, dict], tmp_path: 
                 r = entry["vs"][agent][opponent]
                 assert r["episodes"] == EPISODES and r["wins"] + r["draws"] + r["losses"] == EPISODES
                 assert r["score_se"] is not None and 0 <= r["illegal_rate"] <= 1
+                assert r["score_ci95"][0] <= r["score"] <= r["score_ci95"][1]  # the Wilson interval, both sides
     assert evals["step-1"]["versions"] == {"A": 1, "B": 1} and evals["end"]["versions"] == {"A": 2, "B": 2}
 
 
@@ -72,6 +73,7 @@ def test_summary_has_eval_curves_and_training_illegal_rate(run: tuple[Path, dict
             curve = a["eval_curves"][opponent]
             assert [p["step"] for p in curve] == [0, 1, 2]
             assert all(p["score_se"] is not None and p["illegal_rate"] is not None for p in curve)
+            assert all(p["score_ci95"][0] <= p["score"] <= p["score_ci95"][1] for p in curve)
         assert 0 <= a["train_illegal_rate"] <= 1
         assert [p["weight_version"] for p in a["train_play"]][:1] == [0]
         assert sum(p["episodes"] for p in a["train_play"]) >= 2 * 2 * 4  # 2 steps x 2 groups x 4 episodes

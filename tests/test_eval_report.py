@@ -28,7 +28,7 @@ from services.envs.registry import check_environment_config
 from services.envs.tictactoe import TicTacToe, best_moves
 from services.inference.generator import Engine
 from services.launcher.up import status_table
-from services.play.evaluation import evaluate_against, mean_se
+from services.play.evaluation import evaluate_against, fmt_report, mean_se, wilson
 from services.play.local import EnginePlayers
 
 
@@ -70,6 +70,17 @@ def test_mean_and_standard_error() -> None:
     assert mean_se([1.0]) == (1.0, None) and mean_se([]) == (None, None)
 
 
+def test_the_wilson_interval_is_honest_where_the_standard_error_is_zero() -> None:
+    lost = {"score": 0.0, "score_se": 0.0, "score_ci95": wilson(0.0, 200), "wins": 0, "draws": 0, "losses": 200,
+            "illegal_rate": 0.0, "illegal_rate_ci95": wilson(0.0, 200)}
+    assert lost["score_ci95"] == [0.0, pytest.approx(3.8415 / 203.8415, abs=1e-6)]  # z^2 / (n + z^2)
+    assert wilson(1.0, 200) == [pytest.approx(1 - 3.8415 / 203.8415, abs=1e-6), 1.0]
+    lo, hi = wilson(0.3, 100)
+    assert lo < 0.3 < hi and (hi - lo) / 2 == pytest.approx(1.96 * math.sqrt(0.21 / 100), rel=0.05)
+    assert wilson(None, 0) is None and wilson(0.5, 0) is None
+    assert fmt_report(lost) == "0.000 ± 0.000 [0.000, 0.019] (w/d/l 0/0/200, illegal 0.000 [0.000, 0.019])"
+
+
 def test_report_counts_illegal_replies_per_episode(tiny_model_dir: Path) -> None:
     """The untrained tiny model replies out of format often: the report's rate is the episodes with an
     ``invalid`` turn of the evaluated player, with its standard error, against each opponent."""
@@ -100,6 +111,9 @@ def test_report_counts_illegal_replies_per_episode(tiny_model_dir: Path) -> None
     assert minimax["illegal_rate"] == pytest.approx(sum(flags) / 10) and 0 < sum(flags) <= 10
     assert minimax["illegal_rate_se"] == pytest.approx(mean_se(flags)[1])
     assert minimax["illegal_episodes"] == int(sum(flags)) and minimax["score_se"] is not None
+    for r in reports.values():  # the 95 % Wilson intervals beside the standard errors
+        assert r["score_ci95"] == wilson(r["score"], 10) and r["score_ci95"][0] <= r["score"] <= r["score_ci95"][1]
+        assert r["illegal_rate_ci95"] == wilson(r["illegal_rate"], 10)
     for _, r in results:  # an illegal reply ends tic-tac-toe: it is the last turn and says why
         bad = [t for t in r.transcript if t.get("invalid")]
         assert all(t is r.transcript[-1] and t["invalid"].startswith("illegal:") for t in bad)

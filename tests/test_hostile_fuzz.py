@@ -11,7 +11,8 @@ every new group) with A at version 2 and B's first groups waiting undelivered. M
   real waiting group (a new id);
 * two of B's real waiting samples replaced by copies (same id) with a token id of 10**6 (outside the
   vocabulary) and with a forged ``group_samples``: members that are wrong, so their groups are abandoned;
-* engine replies with NaN logprobs and with a negative token id;
+* engine replies with NaN logprobs and with a negative token id (refused by the wire contract), and with a
+  token id outside the vocabulary (well formed: refused by the coordinator's reply check, replies.py);
 * weights for A: a forged update (version 999, the start model, a bad HMAC), a corrupt one (validly signed
   with the run's secret, pointing at a copy of version 2 with a flipped byte), an old update replayed under a
   new id, and the same old entry replayed byte for byte (same message id: the done set absorbs it);
@@ -36,7 +37,7 @@ import yaml
 from safetensors.torch import load_file
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
-from services.common.weights_auth import sign, weights_checksum
+from services.common.weights_auth import run_secret, sign, weights_checksum
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.config import load_config
 from services.contracts.messages import DeadLetter, Event, GenerateReply, Sample, WeightsUpdate
@@ -135,6 +136,8 @@ def inject_replies(inj: Injector) -> None:
     stream = key("replies:coordinator")
     inj.add(stream, base.model_copy(update={"id": "reply-nan", "output_logprobs": [float("nan"), -0.2]}), "finite")
     inj.add(stream, base.model_copy(update={"id": "reply-neg", "output_ids": [-1, 6]}), "greater than or equal to 0")
+    inj.add(stream, base.model_copy(update={"id": "reply-oov", "output_ids": [10**6, 6]}),  # well formed: the
+            "rejected by coordinator: output_ids[0] = 1000000 is not a token id of the agent's vocabulary")  # check
 
 
 def inject_weights(inj: Injector, client: redis.Redis, d: Path, start_model: Path) -> None:
@@ -152,7 +155,7 @@ def inject_weights(inj: Injector, client: redis.Redis, d: Path, start_model: Pat
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    secret = client.get(key("state:weights_secret"))
+    secret = run_secret()  # the run's secret: the environment's (tests/conftest.py), never Redis's
     checksum = weights_checksum(copy)
     inj.add(stream, WeightsUpdate(agent="A", weight_version=loaded, path=str(copy), checksum=checksum,
                                   signature=sign(secret, "A", loaded, str(copy), checksum)), "differs from the trainer")
@@ -206,6 +209,7 @@ def collect(client: redis.Redis) -> dict[str, Any]:
     out["replies"] = valid(client.xrange(key("replies:coordinator")), GenerateReply)  # the injected ones fail
     out["loaded_weights"] = {a: json.loads(client.get(key(f"state:{a}:loaded_weights"))) for a in "AB"}
     out["pending_weights_A"] = client.xpending(key("weights:A"), "rollout")["pending"]
+    out["rejected_replies"] = {k.decode(): int(v) for k, v in client.hgetall(key("coord:rejected_replies")).items()}
     return out
 
 
@@ -274,6 +278,7 @@ def test_every_rejected_item_is_dead_lettered_with_its_reason(run):
         assert (stream, entry) in letters, f"{stream} {entry} ({phrase}) was not dead-lettered"
         assert phrase in letters[(stream, entry)], letters[(stream, entry)]
     assert len(run["letters"]) == len(run["expected"]), [x.reason for x in run["letters"]]
+    assert run["rejected_replies"] == {"A": 1}  # the out-of-vocabulary reply, answering no pending turn
 
 
 def test_good_samples_are_trained_and_a_group_that_lost_a_member_is_abandoned_and_counted(run):

@@ -225,7 +225,7 @@ async def test_rollout_loads_only_authentic_weights(redis_url: str, tiny_model_d
                   "bad signature": good.model_copy(update=start),
                   "version 2 is not one the trainer of 'A' committed": WeightsUpdate(  # signed, never committed
                       agent="A", weight_version=2, path=good.path, checksum=good.checksum,
-                      signature=sign(await run_secret(bus.redis, s), "A", 2, good.path, good.checksum))}
+                      signature=sign(run_secret(), "A", 2, good.path, good.checksum))}
         for reason, w in forged.items():
             with pytest.raises(Reject, match=f"weights version {w.weight_version} at .* refused: {reason}"):
                 await rollout.on_weights(w)

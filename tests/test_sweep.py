@@ -182,8 +182,10 @@ def test_a_two_seed_two_setup_sweep_end_to_end(tmp_path: Path, tiny_model_dir: P
     setups = json.loads((out / "sweep.json").read_text())["setups"]
     assert sorted(setups) == ["co", "frozen"] and all(not s["missing"] for s in setups.values())
     rows = {(name, r["agent"]): r for name, s in setups.items() for r in s["rows"]}
-    assert set(rows) == {("co", "A"), ("co", "B"), ("frozen", "A")}  # a frozen agent is not evaluated
-    assert all(r["seeds"] == [0, 1] and r["end"]["n"] == 2 and r["trains"] for r in rows.values())
+    assert set(rows) == {("co", "A"), ("co", "B"), ("frozen", "A"), ("frozen", "B")}  # the frozen agent too
+    assert all(r["seeds"] == [0, 1] and r["end"]["n"] == 2 for r in rows.values())
+    assert [k for k, r in rows.items() if not r["trains"]] == [("frozen", "B")]  # marked frozen
+    assert rows[("frozen", "B")]["end_step"] == 0 and rows[("frozen", "B")]["gain"]["mean"] == 0  # never trained
     assert rows[("co", "A")]["end_step"] >= 1 and (out / "sweep.png").stat().st_size > 5000
     assert "| frozen | A |" in (out / "sweep.md").read_text() and outside.is_dir()
     assert (tmp_path / "ckpt" / "e2e" / "e2e.co.s1").is_dir()

@@ -20,6 +20,6 @@ async def commit_weights(bus: Bus, agent: str, version: int, path: Path | str) -
     await bus.redis.rpush(s.train_log(agent), json.dumps(rec))
     published = int(await bus.redis.get(s.published_weight_version(agent)) or 0)
     await bus.redis.set(s.published_weight_version(agent), max(published, version))
-    secret = await run_secret(bus.redis, s)
+    secret = run_secret()
     return WeightsUpdate(agent=agent, weight_version=version, path=p, checksum=checksum,
                          signature=sign(secret, agent, version, p, checksum))

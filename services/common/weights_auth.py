@@ -4,8 +4,13 @@ its engines load one.
 * ``weights_checksum``: SHA-256 over every file of the version's directory (relative name and content,
   in name order), so a swapped ``config.json`` or shard changes it as much as a changed tensor.
 * ``sign``: HMAC-SHA256 with the run's secret over (agent, version, path, checksum).
-* ``run_secret``: ``TANDEM_WEIGHTS_SECRET`` when set, else the run's Redis key
-  (``Streams.weights_secret``), created once per run (``SET NX``) by whichever service asks first.
+* ``run_secret``: the run's secret, from the environment only (``TANDEM_WEIGHTS_SECRET``, or the file
+  ``TANDEM_WEIGHTS_SECRET_FILE`` names: a mounted secret), never from Redis: whoever holds the Redis password
+  must not be able to sign weights. Only the trainers (which sign) and the rollouts (which verify) get it;
+  one without it refuses to start naming the variable (``secret_problem``). ``tandem up`` makes it once per
+  run into ``runs/<run>/weights.secret`` (mode 0600, ``run_dir_secret``), kept for ``--resume`` and wiped
+  by ``--fresh``, and hands it to its children by environment, as it does the admin token
+  (``services/common/admin_token.py``); docker compose and Kubernetes give it by environment or file.
 * ``refusal``: why an update must not be loaded, or None: the signature (constant-time compare), the
   trainer's commit of that very version (its train log: same path and checksum, and not beyond the
   published version), and the checksum recomputed from the files on disk.
@@ -26,6 +31,12 @@ from services.contracts.messages import WeightsUpdate
 from services.contracts.streams import Streams
 
 SECRET_ENV = "TANDEM_WEIGHTS_SECRET"
+SECRET_FILE_ENV = "TANDEM_WEIGHTS_SECRET_FILE"
+SECRET_FILE = "weights.secret"
+
+
+class MissingWeightsSecret(RuntimeError):
+    """This process was given no weights-signing secret."""
 
 
 def weights_checksum(directory: Path | str) -> str:
@@ -47,15 +58,53 @@ def sign(secret: bytes, agent: str, version: int, path: str, checksum: str) -> s
     return hmac.new(secret, payload, hashlib.sha256).hexdigest()
 
 
-async def run_secret(redis: Any, streams: Streams) -> bytes:
-    """The run's signing secret (the env var's, or the run's Redis key, made once per run)."""
+def secret_problem() -> str | None:
+    """Why this process has no usable weights secret (naming the variable), or None."""
+    if os.environ.get(SECRET_ENV):
+        return None
+    path = os.environ.get(SECRET_FILE_ENV)
+    if not path:
+        return (f"{SECRET_ENV} is not set: the trainers sign and the rollouts verify weights with the run's "
+                f"secret, which `tandem up` hands them (runs/<run>/{SECRET_FILE}); elsewhere set {SECRET_ENV} "
+                f"(or {SECRET_FILE_ENV}, a file holding it) to the same value for every trainer and rollout")
+    try:
+        if not Path(path).read_text().strip():
+            return f"{SECRET_FILE_ENV}: {path} is empty"
+    except OSError as exc:
+        return f"{SECRET_FILE_ENV}: cannot read {path}: {exc.strerror}"
+    return None
+
+
+def run_secret() -> bytes:
+    """The run's signing secret (``$TANDEM_WEIGHTS_SECRET``, else the file ``$TANDEM_WEIGHTS_SECRET_FILE``
+    names); raises ``MissingWeightsSecret`` naming the variable."""
+    if (problem := secret_problem()) is not None:
+        raise MissingWeightsSecret(problem)
     env = os.environ.get(SECRET_ENV)
-    if env:
-        return env.encode()
-    key = streams.weights_secret()
-    await redis.set(key, secrets.token_hex(32), nx=True)
-    raw = await redis.get(key)
-    return raw if isinstance(raw, bytes) else str(raw).encode()
+    return env.encode() if env else Path(os.environ[SECRET_FILE_ENV]).read_text().strip().encode()
+
+
+def run_dir_secret(run_dir: Path | str) -> str:
+    """``tandem up``'s secret for its children: ``$TANDEM_WEIGHTS_SECRET`` when set, else the run directory's
+    ``weights.secret`` (mode 0600), made once and read back on ``--resume``."""
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    path = Path(run_dir) / SECRET_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        os.chmod(path, 0o600)
+        secret = path.read_text().strip()
+        if not secret:
+            raise MissingWeightsSecret(f"{path} is empty: restore it to resume the run, or start it --fresh") from None
+        return secret
+    secret = secrets.token_hex(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    return secret
 
 
 async def committed(redis: Any, streams: Streams, agent: str, version: int) -> dict[str, Any] | None:

@@ -87,7 +87,8 @@ def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
 
     @app.get("/v1/status", dependencies=guard, responses=responses(401))
     async def status() -> dict[str, Any]:
-        return {**coord.state.status(), "evals": coord.evals}
+        return {**coord.state.status(), "evals": coord.evals,
+                "rejected_replies": await coord.replies.counts()}  # engine replies refused (replies.py)
 
     @app.get("/v1/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),

@@ -2,10 +2,12 @@
 
 Each evaluation plays every training agent against each of ``environment.eval``'s opponents
 through services/play/evaluation.py, the code ``tandem eval`` runs, and appends one entry to the
-run's evaluations::
+run's evaluations. A frozen agent (``train: false``, always version 0) is evaluated too, on its
+engines, at the start, the end and on demand (not every n steps: its weights never change), and
+listed under ``frozen``; its scores stay out of the training agents' headline figures::
 
     {"label": "start" | "step-4" | "end" | "on-demand", "time": ..., "versions": {agent: version},
-     "checkpoints": {agent: weights directory}, "opponents": [label, ...],
+     "checkpoints": {agent: weights directory}, "opponents": [label, ...], "frozen": [agent, ...],
      "scores": {agent: headline score}, "details": {agent: headline report},
      "vs": {agent: {opponent: report}}}
 
@@ -22,12 +24,12 @@ import asyncio
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Local, Player
 from services.play.episode import EpisodeResult
-from services.play.evaluation import eval_roles, evaluate_against, opponent_label
+from services.play.evaluation import eval_roles, evaluate_against, fmt_report, opponent_label
 
 if TYPE_CHECKING:
     from services.coordinator.scheduler import Coordinator
@@ -60,23 +62,34 @@ async def evaluate(coord: Coordinator, agent: str, player: Player | None = None)
 
 async def evaluate_all(coord: Coordinator, label: str, players: dict[str, Player] | None = None,
                        versions: dict[str, int] | None = None) -> dict[str, float | None]:
-    """Evaluate every training agent; append the entry to ``coord.evals``; return the headline scores."""
+    """Evaluate every training agent (and, on their engines, the frozen ones); append the entry to ``coord.evals``;
+    return the training agents' headline scores."""
     names = list(coord.state.agents)
+    frozen = [] if players else [a for a, c in coord.cfg.agents.items() if not c.train]  # on their engines
     players = players or {}
-    versions = versions or {a: coord.state.agents[a].loaded_weight_version for a in names}
-    reports = dict(zip(names, await asyncio.gather(*(evaluate(coord, a, players.get(a)) for a in names)),
+    versions = {**(versions or {a: coord.state.agents[a].loaded_weight_version for a in names}),
+                **dict.fromkeys(frozen, 0)}
+    every = names + frozen
+    reports = dict(zip(every, await asyncio.gather(*(evaluate(coord, a, players.get(a)) for a in every)),
                        strict=True))
     opponents = [opponent_label(o) for o in coord.cfg.environment.eval.opponent_list()]
     headline = {a: r[opponents[0]] for a, r in reports.items()}
     checkpoints = {a: coord.version_paths.get(a, {}).get(v) for a, v in versions.items()}
     coord.evals.append({"label": label, "time": time.time(), "versions": versions, "checkpoints": checkpoints,
-                        "opponents": opponents,
+                        "opponents": opponents, "frozen": frozen,
                         "scores": {a: r["score"] for a, r in headline.items()}, "details": headline,
                         "vs": reports})
-    log.info("eval %s: %s", label, {f"{a} vs {o}": f"{r['score']} ± {r['score_se']} (w/d/l {r['wins']}/"
-                                    f"{r['draws']}/{r['losses']}, illegal {r['illegal_rate']})"
-                                    for a, vs in reports.items() for o, r in vs.items()})
-    return {a: r["score"] for a, r in headline.items()}
+    log.info("eval %s: %s", label, {f"{a} vs {o}": fmt_report(r) for a, vs in reports.items() for o, r in vs.items()})
+    return {a: headline[a]["score"] for a in names}
+
+
+async def at_edge(coord: Coordinator, label: Literal["start", "end"]) -> None:
+    """The start or end evaluation: each training agent's headline score into its state (``eval_start``/
+    ``eval_end``), the reports into the run record."""
+    coord.state.phase = f"eval_{label}"
+    for agent, score in (await evaluate_all(coord, label)).items():
+        setattr(coord.state.agents[agent], f"eval_{label}", score)
+    await coord.save_evals()
 
 
 async def every_n_steps(coord: Coordinator) -> None:

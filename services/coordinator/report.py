@@ -3,7 +3,7 @@
 ``summary.json`` holds per agent the training figures, the illegal or format-failure rate of its
 training episodes (overall and per weight version, train_play.py) and ``eval_curves``: per
 opponent, one point per evaluation (start, every n steps, end) with the score, its standard
-error, wins/draws/losses and the illegal rate (evals.py). ``rewards.png`` plots the training
+error and 95 % Wilson interval, wins/draws/losses and the illegal rate (evals.py). ``rewards.png`` plots the training
 reward, the training illegal rate, the eval scores (± standard error) and the train-step metrics,
 all against the training step (weight version).
 """
@@ -17,8 +17,8 @@ from typing import Any
 from services.coordinator.state import RunState
 from services.coordinator.train_play import curve, totals
 
-CURVE_KEYS = ("score", "score_se", "wins", "draws", "losses", "episodes", "illegal_rate", "illegal_rate_se",
-              "illegal_reply_rate")
+CURVE_KEYS = ("score", "score_se", "score_ci95", "wins", "draws", "losses", "episodes", "illegal_rate",
+              "illegal_rate_se", "illegal_rate_ci95", "illegal_reply_rate")
 
 
 def _mean(xs: list[float]) -> float | None:

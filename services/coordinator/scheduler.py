@@ -30,6 +30,7 @@ from services.coordinator import evals, failures, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.record import RunRecord, restore_run
+from services.coordinator.replies import ReplyCheck
 from services.coordinator.report import write_report
 from services.coordinator.state import RunState, finite
 from services.envs.registry import check_environment_config
@@ -60,8 +61,8 @@ class Coordinator:
         self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
         self.changed = asyncio.Condition()
         self.slots = asyncio.Semaphore(cfg.run.concurrent_episodes)
-        self.episodes: dict[str, dict[str, Any]] = {}
-        self.evals: list[dict[str, Any]] = []
+        self.episodes: dict[str, dict[str, Any]] = {}  # recent transcripts (the API's cache)
+        self.evals: list[dict[str, Any]] = []  # evaluation reports in order
         self.group_tasks: set[asyncio.Task[None]] = set()
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
@@ -69,8 +70,8 @@ class Coordinator:
         self.ledger = GroupLedger(bus, list(self.state.agents))
         self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
-        self.k_train_play = bus.streams.key("coord:train_play")
-        self.k_failed = bus.streams.key("coord:episodes_failed")
+        self.k_train_play, self.k_failed = bus.streams.key("coord:train_play"), bus.streams.key("coord:episodes_failed")
+        self.replies = ReplyCheck(cfg, bus)  # engine replies checked before they enter an episode (replies.py)
 
     async def restore(self) -> None:
         """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
@@ -104,6 +105,8 @@ class Coordinator:
 
     async def on_reply(self, reply: GenerateReply) -> None:
         fut = self.pending.get(reply.request_id)
+        if (problem := self.replies.problem(reply)) is not None:  # rejected alone, its episode abandoned
+            await self.replies.reject(reply, fut, problem)  # raises Reject: dead-lettered with the reason
         if fut is not None and not fut.done():
             if reply.error:
                 fut.set_exception(RuntimeError(f"generation failed: {reply.error}"))
@@ -346,10 +349,7 @@ class Coordinator:
         await self.wait_for_engines()
         done = {e["label"] for e in self.evals}
         if self.cfg.environment.eval.episodes and "start" not in done:
-            self.state.phase = "eval_start"
-            for agent, score in (await self.evaluate_all("start")).items():
-                self.state.agents[agent].eval_start = score
-            await self.save_evals()
+            await evals.at_edge(self, "start")
         periodic = asyncio.create_task(evals.every_n_steps(self))
         await self.training_loop()
         if self.state.stop_requested:
@@ -362,10 +362,7 @@ class Coordinator:
         await asyncio.gather(periodic, return_exceptions=True)  # the last every-n evaluation, then the end one
         await self.run_record.set(stop_requested=self.state.stop_requested, error=self.state.error)
         if not self.state.stop_requested and self.cfg.environment.eval.episodes and "end" not in done:
-            self.state.phase = "eval_end"
-            for agent, score in (await self.evaluate_all("end")).items():
-                self.state.agents[agent].eval_end = score
-            await self.save_evals()
+            await evals.at_edge(self, "end")
         self.state.phase = "stopped" if self.state.stop_requested else "done"
 
     async def save_evals(self) -> None:

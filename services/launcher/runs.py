@@ -4,16 +4,19 @@ A run directory (``run.output_dir/<run>``) holds, once the run has ended, the co
 ``summary.json`` (phase, per-agent figures, evaluations) and ``metrics.json`` (per agent the train
 steps and the reward of every group, with its time). A directory without a summary is a run still
 going (its service logs changed within ``ACTIVE_S``) or one that ended without a report.
-``compare`` writes one PNG (training reward per group over time, smoothed, and the eval score at each
+``compare`` writes one PNG (training reward per group against the training step, smoothed: the groups
+emitted while step k was the latest trained one are spread over [k, k + 1); and the eval score at each
 weight version, per run and agent) and one Markdown table of the key figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,20 @@ def _smooth(ys: list[float]) -> list[float]:
     return [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
 
 
+def group_steps(rewards: list[Any], train_steps: list[dict[str, Any]]) -> list[float]:
+    """Each group's place on the training-step axis: the groups emitted while step k was the latest trained one
+    (0 before the first) are spread evenly over [k, k + 1) in their order (the dashboard's chart does the same)."""
+    done = sorted((float(s["time"]), int(s["weight_version"])) for s in train_steps
+                  if isinstance(s.get("time"), int | float) and isinstance(s.get("weight_version"), int))
+    times = [t for t, _ in done]
+    ks = [done[i - 1][1] if (i := bisect.bisect_right(times, float(t))) else 0 for t, _ in rewards]
+    counts, seen, out = Counter(ks), Counter(), []
+    for k in ks:
+        out.append(k + seen[k] / counts[k])
+        seen[k] += 1
+    return out
+
+
 def eval_curve(summary: dict[str, Any], agent: str) -> tuple[list[int], list[float]]:
     """(weight version, score) of every evaluation of ``agent`` that has a score."""
     xs, ys = [], []
@@ -129,12 +146,13 @@ def plot_compare(runs: list[RunInfo], path: Path) -> None:
         for agent, m in run.metrics.items():
             rewards = m.get("group_rewards") or []
             if rewards:
-                t0 = rewards[0][0]
-                ax_r.plot([t - t0 for t, _ in rewards], _smooth([r for _, r in rewards]), label=f"{run.name} · {agent}")
+                ax_r.plot(group_steps(rewards, m.get("train_steps") or []), _smooth([r for _, r in rewards]),
+                          label=f"{run.name} · {agent}")
             xs, ys = eval_curve(run.summary, agent)
             if xs:
                 ax_e.plot(xs, ys, marker="o", label=f"{run.name} · {agent}")
-    ax_r.set(title="training reward per group (smoothed)", xlabel="seconds since the first group", ylabel="reward")
+    ax_r.set(title="training reward per group (smoothed)", xlabel="training step (when the group was emitted)",
+             ylabel="reward")
     ax_e.set(title="held-out eval score", xlabel="weight version", ylabel="score", ylim=(0, 1))
     for ax in (ax_r, ax_e):
         if ax.get_legend_handles_labels()[0]:

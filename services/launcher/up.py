@@ -30,10 +30,12 @@ from rich.table import Table
 
 from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
+from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
 from services.launcher.processes import ProcessGroup, RestartBudget, Supervised, child_env, python_module
 from services.launcher.progress import Progress, fmt_duration
+from services.play.evaluation import fmt_report
 
 log = logging.getLogger("tandem.launcher")
 
@@ -66,10 +68,8 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
 def latest_eval(status: dict) -> str:
     """The newest evaluation, one ``agent vs opponent score ± se (illegal rate)`` per pair."""
     ev = status["evals"][-1]
-    parts = [f"{agent} vs {opponent} {r['score']:.3f}"
-             + (f" ± {r['score_se']:.3f}" if r.get("score_se") is not None else "")
-             + (f" (illegal {r['illegal_rate']:.3f})" if r.get("illegal_rate") is not None else "")
-             for agent, vs in (ev.get("vs") or {}).items() for opponent, r in vs.items() if r.get("score") is not None]
+    parts = [f"{agent} vs {opponent} {fmt_report(r)}" for agent, vs in (ev.get("vs") or {}).items()
+             for opponent, r in vs.items() if r.get("score") is not None]
     return f"eval {ev.get('label')}: " + ("; ".join(parts) or "-")
 
 
@@ -247,7 +247,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
             console.print(f"[dim]{name:>13}[/dim] │ {line}", markup=True, highlight=False, soft_wrap=True)
 
     redis = None
-    env: dict[str, str] = {}
+    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir)}  # weights signing: by environment, not Redis
     redis_url = cfg.redis_url
     if not cfg.redis_url:
         redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,

@@ -2,7 +2,9 @@
 
 Used by the coordinator (at the start and end of a run, every ``eval.every_n_steps`` and on demand),
 by ``tandem eval`` and by the demo's warm-start and RL sweep; ``score`` is the one report all of them
-give (score ± standard error, wins/draws/losses, the illegal or format-failure rate). Episode i
+give (score ± standard error and its 95 % Wilson interval, wins/draws/losses, the illegal or
+format-failure rate with its own; the interval stays honest where the SE is 0, every game lost or won,
+``fmt_report`` prints both). Episode i
 draws from seed ``7_000_000 + 1000 i``, so the same episodes, opponent moves and sampling draws come
 back every time. The player takes, in turn, each role it
 is evaluated in; roles the config gives a scripted player keep it (a rule-based judge); the
@@ -77,12 +79,37 @@ def mean_se(xs: list[float]) -> tuple[float | None, float | None]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
+def wilson(p: float | None, n: int, z: float = 1.96) -> list[float] | None:
+    """The Wilson score interval [lo, hi] (95 % by default) of a proportion ``p`` over ``n`` trials (a score
+    with draws as half a win counts as a proportion); None without trials. Unlike ``p ± z·SE`` it is not
+    empty when ``p`` is 0 or 1: 0 wins in 200 games gives [0, 0.019]."""
+    if p is None or n <= 0:
+        return None
+    z2 = z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return [round(max(0.0, centre - half), 6), round(min(1.0, centre + half), 6)]
+
+
+def fmt_report(r: dict[str, Any]) -> str:
+    """One report on a line: ``0.512 ± 0.025 [0.46, 0.56] (w/d/l 90/25/85, illegal 0.030 [0.01, 0.06])``."""
+    def interval(ci: list[float] | None) -> str:
+        return "" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+    if r.get("score") is None:
+        return "-"
+    se = "" if r.get("score_se") is None else f" ± {r['score_se']:.3f}"
+    illegal = "-" if r.get("illegal_rate") is None else f"{r['illegal_rate']:.3f}{interval(r.get('illegal_rate_ci95'))}"
+    wdl = f"w/d/l {r['wins']}/{r['draws']}/{r['losses']}, " if "wins" in r else ""
+    return f"{r['score']:.3f}{se}{interval(r.get('score_ci95'))} ({wdl}illegal {illegal})"
+
+
 def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: str | dict[str, str],
           ) -> dict[str, Any]:
     """The one evaluation report (in-run and ``tandem eval`` alike), from ``play_eval``'s results: the score
-    (win 1, draw 1/2, loss 0) with its standard error, wins/draws/losses, the illegal or format-failure rate
-    (episodes in which the player's reply was illegal or malformed, episode.py) with its standard error and
-    per reply, the mean reward and the per-role scores."""
+    (win 1, draw 1/2, loss 0) with its standard error and 95 % Wilson interval, wins/draws/losses, the illegal
+    or format-failure rate (episodes in which the player's reply was illegal or malformed, episode.py) with
+    its standard error and Wilson interval and per reply, the mean reward and the per-role scores."""
     counts = {"win": 0, "draw": 0, "loss": 0}
     per_role: dict[str, list[float]] = {r: [] for r in roles}
     rewards: list[float] = []
@@ -98,9 +125,11 @@ def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: 
     scores = [x for xs in per_role.values() for x in xs]
     mean, se = mean_se(scores)
     illegal, illegal_se = mean_se(invalid)
-    return {"score": mean, "score_se": se, "episodes": len(scores), "opponent": opponent,
+    return {"score": mean, "score_se": se, "score_ci95": wilson(mean, len(scores)),
+            "episodes": len(scores), "opponent": opponent,
             "wins": counts["win"], "draws": counts["draw"], "losses": counts["loss"],
-            "illegal_rate": illegal, "illegal_rate_se": illegal_se, "illegal_episodes": int(sum(invalid)),
+            "illegal_rate": illegal, "illegal_rate_se": illegal_se, "illegal_rate_ci95": wilson(illegal, len(invalid)),
+            "illegal_episodes": int(sum(invalid)),
             "illegal_reply_rate": invalid_replies / replies if replies else None,
             "mean_reward": sum(rewards) / max(len(rewards), 1),
             "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()}}

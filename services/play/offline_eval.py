@@ -28,7 +28,7 @@ from services.contracts.players import Local, Player
 from services.envs.base import Environment
 from services.envs.registry import check_environment_config, check_scripted
 from services.play.episode import EpisodeResult, play_episode
-from services.play.evaluation import eval_roles, evaluate_against
+from services.play.evaluation import eval_roles, evaluate_against, fmt_report
 from services.play.local import LocalPlayers
 
 
@@ -103,11 +103,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TandemConfig
     return args, cfg, checkpoints, opponents, episodes
 
 
-def fmt_se(mean: float | None, se: float | None) -> str:
-    """``0.512 ± 0.025`` (``-`` for no value)."""
-    return "-" if mean is None else f"{mean:.3f}" + ("" if se is None else f" ± {se:.3f}")
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args, cfg, checkpoints, opponents, episodes = parse_args(argv)
@@ -122,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     for agent, r in report["agents"].items():
         for opponent, s in r["vs"].items():
             roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
-            print(f"{agent} vs {opponent}: score {fmt_se(s['score'], s['score_se'])}  wins {s['wins']} draws "
-                  f"{s['draws']} losses {s['losses']}  illegal {fmt_se(s['illegal_rate'], s['illegal_rate_se'])}"
-                  f"  ({roles}; {s['episodes']} episodes, {r['checkpoint']})")
+            print(f"{agent} vs {opponent}: score {fmt_report(s)}  ({roles}; {s['episodes']} episodes, "
+                  f"{r['checkpoint']})")
     out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -25,6 +25,10 @@ def spawn_early(argv: list[str]) -> Spawned | None:
     known, _ = parser.parse_known_args(argv)
     if known.router is not None or known.config is None:
         return None
+    from services.common.weights_auth import secret_problem
+
+    if secret_problem() is not None:  # the full path below names the missing secret and exits 2
+        return None
     from services.contracts.config import ConfigError, load_config
     from services.rollout.spawn import spawn_early as start
 
@@ -40,10 +44,14 @@ def spawn_early(argv: list[str]) -> Spawned | None:
 async def main_async(config: str, agent: str, router_url: str | None, early: Spawned | None = None) -> int:
     from services.common.bus import Bus
     from services.common.service import load_or_exit, run_service, setup_logging, watch_control
+    from services.common.weights_auth import secret_problem
     from services.rollout.service import RolloutService
 
-    setup_logging(f"rollout.{agent}")
+    log = setup_logging(f"rollout.{agent}")
     cfg = load_or_exit(config, agent)
+    if (no_secret := secret_problem()) is not None:  # it verifies what its engines load (weights_auth.py)
+        log.error("%s", no_secret)
+        return 2
     bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}")
     s = bus.streams
     rollout = await RolloutService.start(cfg, agent, bus, router_url, early=early)

@@ -170,7 +170,7 @@ class RolloutService:
         if loaded is not None and w.weight_version < int(loaded):  # a replayed or late old update never rolls back
             raise Reject(f"weights version {w.weight_version} is older than the loaded version {int(loaded)} "
                          "(a replay or a late redelivery): the engines keep what they have")
-        why = await refusal(self.bus.redis, s, await run_secret(self.bus.redis, s), w)
+        why = await refusal(self.bus.redis, s, run_secret(), w)
         if why is not None:
             raise Reject(f"weights version {w.weight_version} at {w.path} refused: {why}")
         if self.fleet is not None:
@@ -222,7 +222,7 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
     except ValueError as exc:
         log.warning("cannot resume the loaded weights (%s): engines start on the base model", exc)
         return
-    why = await refusal(bus.redis, bus.streams, await run_secret(bus.redis, bus.streams), w)
+    why = await refusal(bus.redis, bus.streams, run_secret(), w)
     if why is not None:
         log.warning("not resuming weights version %d (%s): engines start on the base model", w.weight_version, why)
         return

@@ -14,6 +14,7 @@ from services.common.service import (
     setup_logging,
     watch_control,
 )
+from services.common.weights_auth import secret_problem
 from services.trainer.service import TrainerService
 from services.training.backends import make_policy
 
@@ -21,6 +22,9 @@ from services.training.backends import make_policy
 async def main_async(config: str, agent: str) -> int:
     log = setup_logging(f"trainer.{agent}")
     cfg = load_or_exit(config, agent)
+    if (no_secret := secret_problem()) is not None:  # it signs what it publishes (weights_auth.py)
+        log.error("%s", no_secret)
+        return 2
     acfg = cfg.agents[agent]
     try:
         policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)

@@ -101,7 +101,7 @@ class TrainerService:
         """Start from the published version's training state (or save version 0's, what a failed step rolls
         back to). Raises RuntimeError when the published version's state is missing."""
         s = self.bus.streams
-        self.secret = await run_secret(self.bus.redis, s)
+        self.secret = run_secret()
         self.nonfinite_in_row = int(await self.bus.redis.get(s.nonfinite_in_row(self.agent)) or 0)
         if self.nonfinite_in_row >= self.max_nonfinite:
             raise RuntimeError(f"the trainer stopped after {self.nonfinite_in_row} non-finite training steps in a row "

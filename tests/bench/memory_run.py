@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from services.common.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
+from services.common.weights_auth import SECRET_ENV, run_dir_secret  # noqa: E402
 from services.contracts.config import load_config  # noqa: E402
 from services.launcher.processes import ProcessGroup, child_env  # noqa: E402
 from services.launcher.up import start_services  # noqa: E402
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = load_config(path)
     server = EmbeddedRedis(data_dir=d / "redis", maxmemory_mb=cfg.run.redis_maxmemory_mb).start()
     client = redis.Redis.from_url(server.url)
-    group = ProcessGroup(d / "logs", child_env({"TANDEM_REDIS_URL": server.url}), lambda name, line: None)
+    group = ProcessGroup(d / "logs", child_env({"TANDEM_REDIS_URL": server.url,
+                                              SECRET_ENV: run_dir_secret(d)}), lambda name, line: None)
     points: list[tuple[int, int, float]] = []  # (step, used_memory, seconds since the start)
     started = time.time()
     try:

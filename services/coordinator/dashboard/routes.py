@@ -29,14 +29,25 @@ def _finite(name: str, v: float | None) -> float | None:
 
 
 async def episode_record(coord: Any, episode_id: str) -> dict[str, Any]:
-    """The episode's record: from the coordinator's recent ones, else from the run's episode hash; else a 404."""
+    """The episode's record: from the coordinator's recent ones, else from the run's episode hash, else from
+    the transcript archive (services/coordinator/archive.py); else a 404."""
     rec = coord.episodes.get(episode_id)
     if rec is None:
         raw = await coord.bus.redis.hget(coord.bus.streams.episodes(), episode_id)
-        if raw is None:
+        rec = json.loads(raw) if raw is not None else await asyncio.to_thread(coord.archive.find, episode_id)
+        if rec is None:
             raise HTTPException(404, f"no episode {episode_id!r}")
-        rec = json.loads(raw)
+        rec.pop("reply_tokens", None)  # archived with the record; served by the tokens route
     return dict(rec)
+
+
+async def episode_tokens(coord: Any, episode_id: str) -> dict[str, Any] | None:
+    """The episode's reply tokens: kept in Redis for recent episodes, in the archive with older ones."""
+    data = await load_tokens(coord.bus, episode_id)
+    if data is None:
+        archived = await asyncio.to_thread(coord.archive.find, episode_id)
+        data = (archived or {}).get("reply_tokens")
+    return data
 
 
 def create_routes(router: FastAPI, coord: Any, index: Path, guard: list[Any]) -> None:
@@ -84,7 +95,7 @@ def create_routes(router: FastAPI, coord: Any, index: Path, guard: list[Any]) ->
                 responses=responses(401, 404))
     async def tokens(episode_id: str) -> dict[str, Any]:
         await episode_record(coord, episode_id)
-        data = await load_tokens(coord.bus, episode_id)
+        data = await episode_tokens(coord, episode_id)
         if data is None:
             raise HTTPException(404, f"the tokens of episode {episode_id!r} are no longer kept (or it had no "
                                      "model turn)")

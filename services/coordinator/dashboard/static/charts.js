@@ -6,6 +6,17 @@ const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"
 // train_step keys shown first; any other numeric key follows
 const PREFERRED = ["reward_mean", "pg_loss", "loss", "kl", "entropy", "clip_frac", "grad_norm", "tis_weight_mean",
   "tis_clipped_frac", "tokens_per_s", "lr"];
+// Each group's place on the training-step axis: the groups emitted while step k was the latest trained one
+// (0 before the first) are spread evenly over [k, k + 1) in their order (as `tandem compare` plots them).
+function groupSteps(groups, steps) {
+  const done = steps.filter(s => typeof s.time === "number" && typeof s.weight_version === "number")
+    .map(s => [s.time, s.weight_version]).sort((x, y) => x[0] - y[0]);
+  const ks = groups.map(g => { let k = 0; for (const [t, v] of done) { if (t <= g[0]) k = v; else break; } return k; });
+  const counts = {}, seen = {};
+  ks.forEach(k => { counts[k] = (counts[k] || 0) + 1; });
+  return ks.map(k => { const x = k + (seen[k] || 0) / counts[k]; seen[k] = (seen[k] || 0) + 1; return +x.toFixed(4); });
+}
+
 const SKIP = new Set(["weight_version", "time", "samples", "samples_trained", "optimizer_steps", "tokens", "train_seconds"]);
 
 // uPlot's own range fails ("Invalid array length") on a nearly flat series (e.g. 1.0 and 1.0000005): pad it
@@ -76,10 +87,10 @@ const Charts = {
     const rewards = {}, evals = {};
     for (const a of this.agents) {
       const gr = (metrics[a] || {}).group_rewards || [];
-      rewards[a] = [gr.map(p => +(p[0] - t0).toFixed(2)), gr.map(p => p[1])];
+      rewards[a] = [groupSteps(gr, (metrics[a] || {}).train_steps || []), gr.map(p => p[1])];
       evals[a] = [[], []];
     }
-    this.set("reward", "training reward per group", "seconds", rewards);
+    this.set("reward", "training reward per group", "training step", rewards);
     for (const e of status.evals || []) {
       for (const [a, score] of Object.entries(e.scores || {})) {
         if (!evals[a] || score === null) continue;
