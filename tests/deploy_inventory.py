@@ -173,3 +173,23 @@ def compose(profile: str) -> tuple[list[Container], dict]:
 def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
     """``k8s_containers(overlay)``, rendered once per session."""
     return k8s_containers(overlay)
+
+
+PROFILES = ("gpu", "cpu")
+OVERLAYS = ("cpu", "gpu")
+
+
+def topologies() -> list[tuple[str, str]]:
+    """Every deployment: the compose profiles and the Kubernetes overlays."""
+    return [("compose", p) for p in PROFILES] + [("k8s", o) for o in OVERLAYS]
+
+
+def containers(kind: str, name: str) -> list[Container]:
+    return (compose(name) if kind == "compose" else k8s(name))[0]
+
+
+def mounts(c: Container) -> dict[str, bool]:
+    """Mount target -> writable."""
+    if c.where.startswith("compose"):
+        return {v["target"]: not v.get("read_only", False) for v in c.extra["service"].get("volumes", [])}
+    return {m["mountPath"]: not m.get("readOnly", False) for m in c.extra["container"].get("volumeMounts", [])}

@@ -30,31 +30,26 @@ import pytest
 import yaml
 from deploy_inventory import (
     K8S_VERSION,
+    OVERLAYS,
+    PROFILES,
     REPO,
     Container,
     compose,
+    containers,
     k8s,
+    mounts,
     run_compose,
     run_kustomize,
     strictly_valid,
+    topologies,
     validate_k8s,
 )
 
 from services.contracts.config import ConfigError, TandemConfig, load_config
 
-PROFILES = ("gpu", "cpu")
-OVERLAYS = ("cpu", "gpu")
 SERVICES = {"services.coordinator", "services.rollout", "services.buffer", "services.trainer"}
 PER_AGENT = SERVICES - {"services.coordinator"}
 RENDEZVOUS_PORT = 29500
-
-
-def topologies() -> list[tuple[str, str]]:
-    return [("compose", p) for p in PROFILES] + [("k8s", o) for o in OVERLAYS]
-
-
-def containers(kind: str, name: str) -> list[Container]:
-    return (compose(name) if kind == "compose" else k8s(name))[0]
 
 
 @cache
@@ -78,13 +73,6 @@ def env_vars_the_code_reads() -> frozenset[str]:
     for path in (REPO / "services").rglob("*.py"):
         found |= set(re.findall(r"[\"'](TANDEM_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
     return frozenset(found)
-
-
-def mounts(c: Container) -> dict[str, bool]:
-    """Mount target -> writable."""
-    if c.where.startswith("compose"):
-        return {v["target"]: not v.get("read_only", False) for v in c.extra["service"].get("volumes", [])}
-    return {m["mountPath"]: not m.get("readOnly", False) for m in c.extra["container"].get("volumeMounts", [])}
 
 
 def _walk_override(key: str, cfg: TandemConfig) -> None:
@@ -126,58 +114,6 @@ def test_validator_is_offline_and_strict():
     bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/typo"
     res = validate_k8s(yaml.safe_dump(bad), timeout=60)
     assert res.returncode != 0 and "paht" in res.stdout
-
-
-# ---- Redis is never reachable without its password ----------------------------------------------------------------
-
-def _redis_password_source(c: Container) -> str:
-    """Where a Tandem container's Redis password comes from: its URL, or the file it names (mounted)."""
-    url = urlparse(c.env["TANDEM_REDIS_URL"])
-    assert url.scheme == "redis", c.where
-    if url.password:
-        return "url"
-    path = c.env.get("TANDEM_REDIS_PASSWORD_FILE", "")
-    assert path and str(Path(path).parent) in mounts(c), f"{c.where}: Redis URL without a password"
-    return path
-
-
-@pytest.mark.parametrize("kind,name", topologies())
-def test_redis_needs_its_password_and_is_not_published(kind, name):
-    cs = containers(kind, name)
-    redis = [c for c in cs if "redis-server" in " ".join(c.command)]
-    assert len(redis) == 1 and re.match(r"redis:\d+\.\d+\.\d+", redis[0].image)
-    assert "--requirepass" in " ".join(redis[0].command)
-    if kind == "compose":
-        assert not redis[0].extra["service"].get("ports"), "Redis must not be published"
-    else:
-        docs = k8s(name)[1]
-        assert not [d for d in docs if d["kind"] == "Secret"], "no Secret is committed; the README says how to make it"
-        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "redis")
-        assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
-        assert not [d for d in docs if d["kind"] == "Service" and d["spec"].get("type") in ("NodePort", "LoadBalancer")
-                    and d["spec"]["selector"] == svc["spec"]["selector"]]
-    for c in cs:
-        if "TANDEM_REDIS_URL" in c.env:
-            source = _redis_password_source(c)
-            if source != "url":  # the file Redis itself reads its password from, on the same volume
-                volume = next(v["source"] for v in c.extra["service"]["volumes"] if v["target"] == "/secret")
-                assert {"type": "volume", "source": volume, "target": "/secret", "read_only": True}.items() <= \
-                    next(v for v in redis[0].extra["service"]["volumes"] if v["target"] == "/secret").items()
-
-
-@pytest.mark.parametrize("kind,name", topologies())
-def test_only_trainers_and_rollouts_get_the_weights_secret(kind, name):
-    """The weights-signing secret is never in Redis (services/common/weights_auth.py): the trainers (which sign)
-    and the rollouts (which verify) get it by environment or a mounted file; no other container has it."""
-    for c in containers(kind, name):
-        if c.where.endswith("/redis-password"):  # compose's init container that writes the secrets
-            assert mounts(c).get("/weights") is True
-            continue
-        given = {"TANDEM_WEIGHTS_SECRET", "TANDEM_WEIGHTS_SECRET_FILE"} & set(c.env)
-        signs = c.module in ("services.trainer", "services.rollout")
-        assert bool(given) == signs and (signs or "/weights" not in mounts(c)), c.where
-        if "TANDEM_WEIGHTS_SECRET_FILE" in c.env:
-            assert mounts(c).get(str(Path(c.env["TANDEM_WEIGHTS_SECRET_FILE"]).parent)) is False, c.where
 
 
 # ---- consistency with the code ------------------------------------------------------------------------------------
