@@ -28,7 +28,7 @@ from services.contracts.messages import Control, Event, GenerateReply, GenerateR
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
 from services.coordinator import evals, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
-from services.coordinator.ledger import GroupLedger
+from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.report import write_report
 from services.coordinator.state import RunState, finite
@@ -66,8 +66,9 @@ class Coordinator:
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
-        self.ledger = GroupLedger(bus, list(self.state.agents))
-        self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
+        self.ledger = GroupLedger(bus, list(self.state.agents), cfg.run_dir(), horizons(cfg), cfg.run.group_timeout_s)
+        self.run_record = RunRecord(bus, cfg.run.checkpoint_root)
+        self.archive = TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play = bus.streams.key("coord:train_play")
 
@@ -390,3 +391,5 @@ class Coordinator:
             await self.save_evals()
             for name in streams if cfg.run.trim_interval_s else []:
                 await self.bus.trim_acknowledged(name)
+            for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
+                await self.ledger.prune(agent)
