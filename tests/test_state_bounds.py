@@ -131,7 +131,7 @@ async def test_ledger_prune_restart_and_replay(redis_url: str, tiny_model_dir: P
         await buffer.on_sample(x)
     await r.set(s.published_weight_version("A"), 9)  # horizon = 0 + 1 + max(4, 0 + 4) = 5: version 6 is recent
     await r.hset(s.buffer_verdicts("A"), "old2", "dropped:non-finite training step")
-    ledger = GroupLedger(bus, ["A"], cfg.run_dir(), horizons(cfg), cfg.run.group_timeout_s)
+    ledger = GroupLedger(bus, ["A"], cfg.run_dir(), horizons(cfg))
     before = await ledger.outcomes("A")
     await ledger.launch("lost", 99, {"A"})
     await ledger.abandon("lost", {"A"}, "timeout: still playing after 600s")
@@ -144,7 +144,7 @@ async def test_ledger_prune_restart_and_replay(redis_url: str, tiny_model_dir: P
     assert [rec["group_id"] for rec in read_jsonl(ledger.archive("A"))] == ["lost", "old", "old2"]
 
     # a restarted coordinator counts every group, archived or not, with the same outcome
-    restarted = GroupLedger(bus, ["A"], cfg.run_dir(), horizons(cfg), cfg.run.group_timeout_s)
+    restarted = GroupLedger(bus, ["A"], cfg.run_dir(), horizons(cfg))
     after = await restarted.outcomes("A")
     assert {g: (o.state, o.reason) for g, o in after.items() if g != "lost"} == {
         g: (o.state, o.reason) for g, o in before.items()}

@@ -82,12 +82,12 @@ class GroupOutcome:
 
 class GroupLedger:
     def __init__(self, bus: Bus, agents: list[str], archive_dir: Path | None = None,
-                 horizons: dict[str, int] | None = None, group_timeout_s: float = 600.0) -> None:
+                 horizons: dict[str, int] | None = None) -> None:
         """``archive_dir`` (the run directory) and ``horizons`` (agent -> versions a group's outcome is kept
         in Redis past its weight version, ``horizon``) enable ``prune``; without them nothing is pruned."""
         self.bus, self.agents = bus, agents
         self.k_launched = bus.streams.key("coord:groups_launched")
-        self.archive_dir, self.horizons, self.group_timeout_s = archive_dir, horizons or {}, group_timeout_s
+        self.archive_dir, self.horizons = archive_dir, horizons or {}
         self._forget = bus.redis.register_script(FORGET)
 
     def archive(self, agent: str) -> Path:
@@ -179,10 +179,11 @@ class GroupLedger:
         (archive first, fsynced; then one transaction deletes the ledger entries with their verdicts). Returns
         how many left. A group ``g`` of weight version ``w`` (its samples' oldest) qualifies when
 
-        * its outcome is final: abandoned here (never emitted: no sample exists; older than the group timeout,
-          so no play of it is still running), or emitted with a verdict that is not ``kept``, or ``kept`` and
-          released (its sample set is gone from the buffer: a released group's verdict changes only if its
-          batch's step is skipped, which needs the version below);
+        * its outcome is final: abandoned here (never emitted, so no sample of it exists: the play was
+          cancelled or failed, or its coordinator died, or the agent had no sample in an emission), or emitted
+          with a verdict that is not ``kept``, or ``kept`` and released (its sample set is gone from the
+          buffer: a released group's verdict changes only if its batch's step is skipped, which needs the
+          version below);
         * its samples can no longer be trained: a batch training version ``v`` takes only groups with
           ``v - 1 - w <= max_staleness``, and the trainer has published ``P >= w + horizon`` with
           ``horizon = max_staleness + 1 + kept``, so every batch that could hold ``g`` was trained or skipped
@@ -220,7 +221,7 @@ class GroupLedger:
         """The group's outcome when ``prune`` may archive it (see there); None to keep it in Redis."""
         o = GroupOutcome(gid, rec["state"], rec.get("reason", ""), rec.get("at", 0.0), rec.get("reward"))
         if o.state == "abandoned":
-            return o if o.at < time.time() - self.group_timeout_s else None
+            return o
         if o.state != "emitted" or verdict is None or not isinstance(rec.get("version"), int):
             return None  # playing, undecided, or written before records carried a version: kept
         if rec["version"] + self.horizons[agent] > published:

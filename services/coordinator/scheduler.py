@@ -66,7 +66,7 @@ class Coordinator:
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
-        self.ledger = GroupLedger(bus, list(self.state.agents), cfg.run_dir(), horizons(cfg), cfg.run.group_timeout_s)
+        self.ledger = GroupLedger(bus, list(self.state.agents), cfg.run_dir(), horizons(cfg))
         self.run_record = RunRecord(bus, cfg.run.checkpoint_root)
         self.archive = TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
