@@ -9,7 +9,9 @@ survives a restart or a replay: nothing acknowledged is lost, nothing is trained
   read once), and a torn archive line (cut, never merged with the next record);
 * ledger: only final, old enough groups leave (a kept group still in the ready queue, an undecided one and a
   recent one stay); a restart's ``outcomes`` still counts every group; a sample of a pruned group replayed
-  to the buffer is refused, not stored; a verdict the buffer changed under the prune is kept.
+  to the buffer is refused, not stored; a verdict the buffer changed under the prune is kept;
+* training-play counts: old versions move to ``train_play.jsonl``; a late episode, a crash after the move
+  and a crash after the append are each counted once.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from services.common.history import TrainLogSpill, append_jsonl, read_jsonl, rea
 from services.common.weights_auth import committed
 from services.contracts.config import TandemConfig, parse_config
 from services.contracts.messages import Batch, Sample
+from services.coordinator import play_archive, train_play
 from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord
+from services.coordinator.train_play import PlayCounts
 from services.trainer.service import TrainerService
 from services.training.backends import make_policy
 from tests.helpers import emit, make_sample
@@ -166,3 +170,30 @@ async def test_ledger_prune_restart_and_replay(redis_url: str, tiny_model_dir: P
     assert set((await r.hgetall(ledger.key("A"))).keys()) == {b"open"}  # undecided: kept
     await bus.close()
     await buffer.bus.close()
+
+
+async def test_train_play_counts_move_and_survive_crashes(redis_url: str, tmp_path: Path) -> None:
+    bus = Bus(redis_url, "bound-play", "coordinator")
+    r, key = bus.redis, bus.streams.key("coord:train_play")
+    for v in range(1, 11):
+        await train_play.save(r, key, {("A", v): PlayCounts(2, 1, 6, 1, 0.5), ("B", v): PlayCounts(2, 0, 6, 0, -0.5)})
+    full = await play_archive.load(r, key, tmp_path)
+    assert await play_archive.prune(r, key, tmp_path, {"A": 6}) == 25  # A's versions 1-5, five fields each
+    assert {f.decode().split("|")[1] for f in await r.hkeys(key) if f.startswith(b"A|")} == {"6", "7", "8", "9", "10"}
+    assert await play_archive.load(r, key, tmp_path) == full  # a restart sees every version
+
+    # a late episode of a moved version counts again; a crash after the move, before the archive append
+    await train_play.save(r, key, {("A", 2): PlayCounts(1, 0, 3, 0, 1.0)})
+    full[("A")][2].add(PlayCounts(1, 0, 3, 0, 1.0))
+    script = r.register_script(play_archive.MOVE)
+    assert await script(keys=[key, key + ":staging", key + ":seq"], args=["A|2|episodes", "A|2|replies"])
+    assert await play_archive.load(r, key, tmp_path) == full  # staged, counted once
+    # ... and a crash after the append, before the staging hash is dropped
+    staged = {k.decode(): v.decode() for k, v in (await r.hgetall(key + ":staging")).items()}
+    seq = int(staged.pop("_seq"))
+    append_jsonl(tmp_path / play_archive.ARCHIVE, [json.dumps({"seq": seq, "counts": staged}).encode()])
+    assert await play_archive.load(r, key, tmp_path) == full
+    assert await play_archive.prune(r, key, tmp_path, {"A": 6, "B": 3}) > 0
+    assert not await r.exists(key + ":staging")
+    assert await play_archive.load(r, key, tmp_path) == full
+    await bus.close()

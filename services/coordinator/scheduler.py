@@ -26,7 +26,7 @@ from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
-from services.coordinator import evals, train_play
+from services.coordinator import evals, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord, restore_run
@@ -80,7 +80,7 @@ class Coordinator:
             self.pool_paths[agent] += [p for p in loaded if p not in self.pool_paths[agent]]
             versions = await self.run_record.versions(agent)
             self.version_paths[agent].update({r["version"]: r["path"] for r in versions.loaded_records})
-        for agent, counts in (await train_play.load(self.bus.redis, self.k_train_play)).items():
+        for agent, counts in (await play_archive.load(self.bus.redis, self.k_train_play, self.cfg.run_dir())).items():
             if agent in self.state.agents:
                 self.state.agents[agent].train_play = counts
 
@@ -393,3 +393,4 @@ class Coordinator:
                 await self.bus.trim_acknowledged(name)
             for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
                 await self.ledger.prune(agent)
+            await play_archive.prune_behind(self.bus.redis, s, self.k_train_play, cfg.run_dir(), self.ledger.horizons)
