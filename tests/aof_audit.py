@@ -162,7 +162,7 @@ def problems(state: AgentState, total_steps: int) -> list[str]:
         out.append(f"{state.agent}: {len(never_acked)} trained sample(s) the buffer never acknowledged: "
                    f"{never_acked[:5]}")
     not_kept = sorted({acked[sid].group_id for sid in trained if sid in acked
-                       and state.verdicts.get(acked[sid].group_id) != "kept"})
+                       and group_fate(state, acked[sid].group_id)[0] != "kept"})
     if not_kept:
         out.append(f"{state.agent}: trained group(s) whose verdict is not 'kept': {not_kept[:5]}")
     acc = account(state)
