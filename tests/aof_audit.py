@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from services.common.history import read_jsonl, train_log_archive
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Sample
 from services.contracts.streams import Streams, split_verdict
@@ -42,6 +44,7 @@ class AgentState:
     train_log: list[dict[str, Any]]  # the trainer's log, one record per committed version
     ready: list[str] = field(default_factory=list)  # kept groups still queued for a batch
     undecided: list[str] = field(default_factory=list)  # emitted groups without a verdict
+    archived: dict[str, dict[str, Any]] = field(default_factory=dict)  # group id -> outcome the ledger archived
 
 
 @dataclass
@@ -63,9 +66,16 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def read_agent(client: Any, run: str, agent: str) -> AgentState:
-    """Copy one agent's audit data out of a (synchronous) redis client."""
+def read_agent(client: Any, run: str, agent: str, checkpoint_root: Path | None = None,
+               run_dir: Path | None = None) -> AgentState:
+    """Copy one agent's audit data out of a (synchronous) redis client, with what the run archived out of Redis
+    (the trainer's older log records under ``checkpoint_root``, the ledger's final groups under ``run_dir``)."""
     s = Streams(run)
+    log = {}
+    if checkpoint_root is not None:
+        log = {int(rec["version"]): rec for rec in read_jsonl(train_log_archive(checkpoint_root, run, agent))}
+    log.update({int(rec["version"]): rec for rec in (json.loads(x) for x in client.lrange(s.train_log(agent), 0, -1))})
+    archived = {rec["group_id"]: rec for rec in read_jsonl(run_dir / f"ledger.{agent}.jsonl")} if run_dir else {}
     stream = s.samples(agent)
     entries = [(_s(eid), decode(f[FIELD], Sample)) for eid, f in client.xrange(stream)]
     group = next((g for g in client.xinfo_groups(stream) if _s(g["name"]) == CONSUMER_GROUP), None) \
@@ -78,7 +88,7 @@ def read_agent(client: Any, run: str, agent: str) -> AgentState:
         pending=pending,
         verdicts={_s(k): _s(v) for k, v in client.hgetall(s.buffer_verdicts(agent)).items()},
         ledger={_s(k): json.loads(v) for k, v in client.hgetall(s.group_ledger(agent)).items()},
-        train_log=[json.loads(x) for x in client.lrange(s.train_log(agent), 0, -1)],
+        train_log=[log[v] for v in sorted(log)], archived=archived,
         ready=[_s(g) for g in client.lrange(s.buffer_ready(agent), 0, -1)],
         undecided=[_s(g) for g in client.zrange(s.groups_pending(agent), 0, -1)])
 
@@ -107,6 +117,8 @@ def group_fate(state: AgentState, group_id: str) -> tuple[str, str]:
     entry = state.ledger.get(group_id) or {}
     if entry.get("state") == "abandoned":
         return "abandoned", str(entry.get("reason") or "")
+    if group_id in state.archived:  # pruned from Redis (coordinator/ledger.py prune): its final outcome
+        return str(state.archived[group_id]["state"]), str(state.archived[group_id].get("reason") or "")
     return "", ""
 
 
@@ -150,7 +162,7 @@ def problems(state: AgentState, total_steps: int) -> list[str]:
         out.append(f"{state.agent}: {len(never_acked)} trained sample(s) the buffer never acknowledged: "
                    f"{never_acked[:5]}")
     not_kept = sorted({acked[sid].group_id for sid in trained if sid in acked
-                       and state.verdicts.get(acked[sid].group_id) != "kept"})
+                       and group_fate(state, acked[sid].group_id)[0] != "kept"})
     if not_kept:
         out.append(f"{state.agent}: trained group(s) whose verdict is not 'kept': {not_kept[:5]}")
     acc = account(state)

@@ -43,7 +43,8 @@ def write_config(d: Path, model: Path) -> Path:
     """The demo config, shortened: tiny groups and batches, a short eval, a short group timeout, no trimming."""
     data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     data["run"].update(name=RUN, total_steps=TOTAL_STEPS, concurrent_episodes=8, checkpoint_root=str(d / "ckpt"),
-                       output_dir=str(d / "runs"), trim_interval_s=0, group_timeout_s=20)
+                       output_dir=str(d / "runs"), trim_interval_s=0, group_timeout_s=20,
+                       state_kept_steps=8)  # the log, ledger and verdicts are pruned (archived) under the kills
     data["api"]["port"] = free_port()
     data["environment"].update(group_size=4)
     data["environment"]["eval"]["episodes"] = 8
@@ -117,7 +118,7 @@ class Observer:
 
     def steps(self, agents: tuple[str, ...] = AGENTS) -> int | None:
         try:
-            return sum(int(self.client.llen(self.streams.train_log(a))) for a in agents)
+            return sum(int(self.client.get(self.streams.published_weight_version(a)) or 0) for a in agents)
         except redis.RedisError:
             return None
 
@@ -208,7 +209,7 @@ def run(tmp_path_factory, tiny_model_dir):
     shutil.copytree(d / "runs" / RUN / "redis", copy)
     with EmbeddedRedis(data_dir=copy) as server:
         client = redis.Redis.from_url(server.url)
-        observed["states"] = {a: aof_audit.read_agent(client, RUN, a) for a in AGENTS}
+        observed["states"] = {a: aof_audit.read_agent(client, RUN, a, d / "ckpt", d / "runs" / RUN) for a in AGENTS}
         client.close()
     print("\nkill -> progress again (s): first new sample acknowledged / next training step")
     for name, t in observed["times"].items():

@@ -112,7 +112,9 @@ async def committed(redis: Any, streams: Streams, agent: str, version: int) -> d
     published = await redis.get(streams.published_weight_version(agent))
     if published is None or version > int(published):
         return None
-    raw = await redis.lindex(streams.train_log(agent), version - 1)
+    first = await redis.lindex(streams.train_log(agent), 0)  # older records may be archived (common/history.py)
+    offset = int(json.loads(first).get("version", 1)) if first is not None else 1
+    raw = await redis.lindex(streams.train_log(agent), version - offset) if version >= offset else None
     rec = json.loads(raw) if raw is not None else None
     if rec is not None and rec.get("version") == version:
         return rec

@@ -267,6 +267,12 @@ class RunConfig(Strict):
                                     "refuses writes and the run stops naming the limit); 0 = no limit")
     transcripts_kept: int = Field(1000, ge=1, description="episode transcripts kept in Redis per purpose (train, "
                                   "eval); older ones are archived to runs/<run>/transcripts.jsonl.gz")
+    state_kept_steps: int = Field(50, ge=4, description="per-step state kept in Redis, in training steps: the "
+                                  "trainer's log records (and their trained-sample ids) beyond the newest N are "
+                                  "archived to <checkpoint_root>/<run>/<agent>/train_log.jsonl; resolved groups "
+                                  "more than N + max_staleness versions old leave the group ledger and the "
+                                  "buffer's verdicts for runs/<run>/ledger.<agent>.jsonl (at least max_staleness "
+                                  "+ 4 are kept)")
 
 
 class ApiConfig(Strict):

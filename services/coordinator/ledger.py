@@ -15,6 +15,11 @@ trusting a sample's claim) and its place in the buffer's ``groups_pending`` — 
 emitted wholly or not at all, and a coordinator that dies knows exactly which groups no sample
 of will ever arrive for.
 
+Bounded (``prune``, docs/architecture.md §10): a group whose outcome can no longer change and whose
+samples can no longer be trained leaves the ledger and the buffer's verdicts together, in one
+transaction, after its outcome was appended (fsynced) to ``runs/<run>/ledger.<agent>.jsonl``;
+``outcomes`` joins that archive with Redis, so a restart counts every group. Which groups: see ``prune``.
+
 Why in-flight episodes are abandoned rather than re-run after a restart: an episode's
 state (the environment, the token views) lives in the process that died; rebuilding it
 would mean persisting every turn. Abandoning costs at most ``concurrent_episodes``
@@ -23,16 +28,45 @@ episodes, is accounted for with its reason, and the launch gate replaces the gro
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 from services.common.bus import Bus
+from services.common.history import append_jsonl, read_jsonl
 from services.contracts.codec import FIELD, encode
+from services.contracts.config import TandemConfig
 from services.contracts.messages import Sample
 from services.contracts.streams import split_verdict
 
+log = logging.getLogger("tandem.coordinator.ledger")
 RESTARTED = "coordinator restarted while the group was playing"
+
+# Delete archived groups from the ledger and the verdicts together, each only if its verdict is still the one
+# archived ("" = none): one the buffer changed meanwhile stays, and the next prune archives it again.
+# KEYS: ledger, verdicts; ARGV: group id, verdict, group id, verdict, ...
+FORGET = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  local v = redis.call('HGET', KEYS[2], ARGV[i])
+  if (v == false and ARGV[i + 1] == '') or v == ARGV[i + 1] then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+def horizons(cfg: TandemConfig) -> dict[str, int]:
+    """Agent -> versions a group's outcome stays in Redis past its weight version (``GroupLedger.prune``)."""
+    return {a: ac.max_staleness + 1 + max(cfg.run.state_kept_steps, ac.max_staleness + 4)
+            for a, ac in cfg.agents.items()}
 
 
 @dataclass
@@ -47,9 +81,18 @@ class GroupOutcome:
 
 
 class GroupLedger:
-    def __init__(self, bus: Bus, agents: list[str]) -> None:
+    def __init__(self, bus: Bus, agents: list[str], archive_dir: Path | None = None,
+                 horizons: dict[str, int] | None = None) -> None:
+        """``archive_dir`` (the run directory) and ``horizons`` (agent -> versions a group's outcome is kept
+        in Redis past its weight version, ``horizon``) enable ``prune``; without them nothing is pruned."""
         self.bus, self.agents = bus, agents
         self.k_launched = bus.streams.key("coord:groups_launched")
+        self.archive_dir, self.horizons = archive_dir, horizons or {}
+        self._forget = bus.redis.register_script(FORGET)
+
+    def archive(self, agent: str) -> Path:
+        assert self.archive_dir is not None
+        return self.archive_dir / f"ledger.{agent}.jsonl"
 
     def key(self, agent: str) -> str:
         return self.bus.streams.group_ledger(agent)
@@ -71,15 +114,19 @@ class GroupLedger:
         now = time.time()
         rewards: dict[str, list[float]] = {}
         ids: dict[str, list[str]] = {}
+        versions: dict[str, int] = {}  # the oldest weight version a sample of the agent's part was played with
         s = self.bus.streams
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             for sample in samples:
                 pipe.xadd(s.samples(sample.agent), {FIELD: encode(sample)})
                 rewards.setdefault(sample.agent, []).append(sample.reward)
                 ids.setdefault(sample.agent, []).append(sample.id)
+                versions[sample.agent] = min(versions.get(sample.agent, sample.min_weight_version),
+                                             sample.min_weight_version)
             means = {a: sum(rs) / len(rs) for a, rs in rewards.items()}
             for agent, mean in means.items():  # the buffer's record of who is in the group (streams.group_ledger)
-                entry = {"state": "emitted", "at": now, "reward": mean, "samples": ids[agent]}
+                entry = {"state": "emitted", "at": now, "reward": mean, "samples": ids[agent],
+                         "version": versions[agent]}
                 pipe.hset(self.key(agent), group_id, json.dumps(entry))
                 pipe.zadd(s.groups_pending(agent), {group_id: now})
             for agent, reason in empty.items():
@@ -96,11 +143,16 @@ class GroupLedger:
                 await self.bus.redis.hset(self.key(agent), group_id, entry)
 
     async def outcomes(self, agent: str) -> dict[str, GroupOutcome]:
-        """Every group of ``agent``: the ledger's state, with the buffer's verdict where it gave one."""
+        """Every group of ``agent``: the archived outcomes (``prune``), then the ledger's state, with the
+        buffer's verdict where it gave one."""
         raw = await self.bus.redis.hgetall(self.key(agent))
         verdicts = {k.decode(): v.decode()
                     for k, v in (await self.bus.redis.hgetall(self.bus.streams.buffer_verdicts(agent))).items()}
         out = {}
+        if self.archive_dir is not None:
+            for rec in await asyncio.to_thread(lambda: list(read_jsonl(self.archive(agent)))):
+                out[rec["group_id"]] = GroupOutcome(**{k: rec.get(k) for k in ("group_id", "state", "reason", "at",
+                                                                                 "reward")})
         for gid_b, value in raw.items():
             gid, rec = gid_b.decode(), json.loads(value)
             o = GroupOutcome(gid, rec["state"], rec.get("reason", ""), rec.get("at", 0.0), rec.get("reward"))
@@ -121,6 +173,63 @@ class GroupLedger:
                 outcomes[gid].state, outcomes[gid].reason = "abandoned", RESTARTED
             out[agent] = outcomes
         return out
+
+    async def prune(self, agent: str) -> int:
+        """Move the outcomes that are final and can no longer matter to the buffer or the trainer out of Redis
+        (archive first, fsynced; then one transaction deletes the ledger entries with their verdicts). Returns
+        how many left. A group ``g`` of weight version ``w`` (its samples' oldest) qualifies when
+
+        * its outcome is final: abandoned here (never emitted, so no sample of it exists: the play was
+          cancelled or failed, or its coordinator died, or the agent had no sample in an emission), or emitted
+          with a verdict that is not ``kept``, or ``kept`` and released (its sample set is gone from the
+          buffer: a released group's verdict changes only if its batch's step is skipped, which needs the
+          version below);
+        * its samples can no longer be trained: a batch training version ``v`` takes only groups with
+          ``v - 1 - w <= max_staleness``, and the trainer has published ``P >= w + horizon`` with
+          ``horizon = max_staleness + 1 + kept``, so every batch that could hold ``g`` was trained or skipped
+          at least ``kept`` versions ago;
+        * and what reaches the buffer later fails closed: a redelivered sample of a pruned group finds no
+          ledger entry, is refused ("emitted no group") and dead-lettered, never stored or trained. The ledger
+          entry and the verdict leave in one transaction, so a sample never finds the entry without the
+          verdict (which would store it again)."""
+        if self.archive_dir is None or agent not in self.horizons:
+            return 0
+        r, s = self.bus.redis, self.bus.streams
+        published = int(await r.get(s.published_weight_version(agent)) or 0)
+        entries = await r.hgetall(self.key(agent))
+        verdicts = {k.decode(): v.decode() for k, v in (await r.hgetall(s.buffer_verdicts(agent))).items()}
+        done: list[GroupOutcome] = []
+        for gid_b, value in entries.items():
+            gid, rec = gid_b.decode(), json.loads(value)
+            outcome = await self._final(agent, gid, rec, verdicts.get(gid), published)
+            if outcome is not None:
+                done.append(outcome)
+        if not done:
+            return 0
+        done.sort(key=lambda o: o.at)
+        lines = [json.dumps(asdict(o)).encode() for o in done]
+        try:
+            await asyncio.to_thread(append_jsonl, self.archive(agent), lines)
+        except OSError as exc:  # a full or unwritable disk: the outcomes stay in Redis until a later prune
+            log.warning("cannot archive group outcomes to %s: %r", self.archive(agent), exc)
+            return 0
+        args = [x for o in done for x in (o.group_id, verdicts.get(o.group_id, ""))]
+        return int(await self._forget(keys=[self.key(agent), s.buffer_verdicts(agent)], args=args))
+
+    async def _final(self, agent: str, gid: str, rec: dict[str, Any], verdict: str | None,
+                     published: int) -> GroupOutcome | None:
+        """The group's outcome when ``prune`` may archive it (see there); None to keep it in Redis."""
+        o = GroupOutcome(gid, rec["state"], rec.get("reason", ""), rec.get("at", 0.0), rec.get("reward"))
+        if o.state == "abandoned":
+            return o
+        if o.state != "emitted" or verdict is None or not isinstance(rec.get("version"), int):
+            return None  # playing, undecided, or written before records carried a version: kept
+        if rec["version"] + self.horizons[agent] > published:
+            return None
+        if verdict == "kept" and await self.bus.redis.exists(self.bus.streams.buffer_group(agent, gid)):
+            return None  # still in the ready queue (the buffer may yet drop it stale)
+        o.state, o.reason = split_verdict(verdict)
+        return o
 
     async def groups_launched(self) -> int:
         return int(await self.bus.redis.get(self.k_launched) or 0)

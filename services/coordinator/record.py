@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.bus import Bus
+from services.common.history import read_train_log, train_log_archive
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.state import RunState
 
@@ -45,8 +46,8 @@ class AgentVersions:
 
 
 class RunRecord:
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
+    def __init__(self, bus: Bus, checkpoint_root: str | None = None) -> None:
+        self.bus, self.checkpoint_root = bus, checkpoint_root  # where the trainers archive their older log records
         self.k_run = bus.streams.key("coord:run")
         self.k_evals = bus.streams.key("coord:evals")
 
@@ -74,8 +75,13 @@ class RunRecord:
     async def versions(self, agent: str) -> AgentVersions:
         s = self.bus.streams
         loaded = int(await self.bus.redis.get(s.loaded_weight_version(agent)) or 0)
-        log = [json.loads(x) for x in await self.bus.redis.lrange(s.train_log(agent), 0, -1)]
-        return AgentVersions(loaded, sorted(log, key=lambda r: r["version"]))
+        if self.checkpoint_root is None:
+            log = sorted((json.loads(x) for x in await self.bus.redis.lrange(s.train_log(agent), 0, -1)),
+                         key=lambda r: r["version"])
+        else:  # the trainer's archive (records beyond run.state_kept_steps) joined with what Redis still holds
+            archive = train_log_archive(self.checkpoint_root, s.run, agent)
+            log = await read_train_log(self.bus.redis, s, agent, archive)
+        return AgentVersions(loaded, log)
 
 
 async def restore_run(st: RunState, record: RunRecord, ledger: GroupLedger) -> tuple[list[dict[str, Any]],

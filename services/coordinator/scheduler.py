@@ -26,9 +26,9 @@ from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
-from services.coordinator import evals, failures, train_play
+from services.coordinator import evals, failures, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
-from services.coordinator.ledger import GroupLedger
+from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.replies import ReplyCheck
 from services.coordinator.report import write_report
@@ -67,8 +67,9 @@ class Coordinator:
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
-        self.ledger = GroupLedger(bus, list(self.state.agents))
-        self.run_record, self.archive = RunRecord(bus), TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
+        self.ledger = GroupLedger(bus, list(self.state.agents), cfg.run_dir(), horizons(cfg))
+        self.run_record = RunRecord(bus, cfg.run.checkpoint_root)
+        self.archive = TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play, self.k_failed = bus.streams.key("coord:train_play"), bus.streams.key("coord:episodes_failed")
         self.replies = ReplyCheck(cfg, bus)  # engine replies checked before they enter an episode (replies.py)
@@ -81,7 +82,7 @@ class Coordinator:
             self.pool_paths[agent] += [p for p in loaded if p not in self.pool_paths[agent]]
             versions = await self.run_record.versions(agent)
             self.version_paths[agent].update({r["version"]: r["path"] for r in versions.loaded_records})
-        for agent, counts in (await train_play.load(self.bus.redis, self.k_train_play)).items():
+        for agent, counts in (await play_archive.load(self.bus.redis, self.k_train_play, self.cfg.run_dir())).items():
             if agent in self.state.agents:
                 self.state.agents[agent].train_play = counts
         self.state.episodes_failed = await failures.load(self.bus.redis, self.k_failed)
@@ -172,11 +173,7 @@ class Coordinator:
         self.state.episodes_done += 1
         self.state.episode_times.append(time.time())
         if result.purpose == "train":  # the agents' illegal / format-failure rate, per version (train_play.py)
-            counts = train_play.episode_counts(result, self.state.agents)
-            for (agent, version), c in counts.items():
-                self.state.agents[agent].train_play.setdefault(version, train_play.PlayCounts()).add(c)
-            await self.bus.retrying("counting training play",  # like the episode's own writes (store_episode)
-                                    lambda: train_play.save(self.bus.redis, self.k_train_play, counts))
+            await train_play.count(self.bus, self.k_train_play, self.state.agents, result)
 
     async def _play(self, env: Any, group_id: str, roles: dict[str, Player], purpose: str,
                     sampling: dict[Player, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
@@ -395,3 +392,6 @@ class Coordinator:
             await self.save_evals()
             for name in streams if cfg.run.trim_interval_s else []:
                 await self.bus.trim_acknowledged(name)
+            for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
+                await self.ledger.prune(agent)
+            await play_archive.prune_behind(self.bus.redis, s, self.k_train_play, cfg.run_dir(), self.ledger.horizons)

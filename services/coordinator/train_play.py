@@ -102,3 +102,12 @@ async def load(redis: Any, key: str) -> dict[str, dict[int, PlayCounts]]:
         c = out.setdefault(agent, {}).setdefault(int(version), PlayCounts())
         setattr(c, what, json.loads(value) if what != "reward" else float(value))
     return out
+
+
+async def count(bus: Any, key: str, agents: dict[str, Any], result: EpisodeResult) -> None:
+    """A training episode's counts per agent and version: into the agents' run state and into Redis, through
+    the bus's reconnect backoff like the episode's own writes (archive.store_episode)."""
+    counts = episode_counts(result, agents)
+    for (agent, version), c in counts.items():
+        agents[agent].train_play.setdefault(version, PlayCounts()).add(c)
+    await bus.retrying("counting training play", lambda: save(bus.redis, key, counts))

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.bus import Bus, Reject
+from services.common.history import TrainLogSpill, train_log_archive
 from services.common.metrics import SKIPPED_STEPS
 from services.common.weights_auth import run_secret, sign
 from services.contracts.config import TandemConfig
@@ -93,6 +94,11 @@ class TrainerService:
         self.stop = asyncio.Event()  # set by a stop command, or when the trainer stops itself
         self._skip = bus.redis.register_script(SKIP)
         self.secret = b""  # the run's weights-signing secret (``resume`` reads it)
+        # bounded state (docs/architecture.md §10): the log's older records, with their trained-sample ids, leave
+        # Redis for <checkpoint_root>/<run>/<agent>/train_log.jsonl (common/history.py says why that is safe)
+        kept = max(cfg.run.state_kept_steps, cfg.agents[agent].max_staleness + TrainLogSpill.MIN_KEPT)
+        self.history = TrainLogSpill(bus.redis, bus.streams, agent,
+                                     train_log_archive(cfg.run.checkpoint_root, cfg.run.name, agent), kept)
 
     def state_dir(self, version: int) -> Path:
         return self.state_root / f"v{version:05d}"
@@ -179,6 +185,7 @@ class TrainerService:
         failpoint("after_commit", new_version)
         await asyncio.to_thread(tidy_states, self.state_root, new_version)
         await self.announce(record)
+        await self.spill()
         self.log.info("step %d: reward %.3f loss %.4f clip %.3f (%d samples, %.2fs)", new_version,
                       metrics["reward_mean"], metrics.get("loss", 0.0), metrics["clip_frac"], len(fresh),
                       metrics["train_seconds"])
@@ -220,6 +227,16 @@ class TrainerService:
             pipe.rpush(s.train_log(self.agent), json.dumps(record))
             pipe.set(s.nonfinite_in_row(self.agent), 0)
             await pipe.execute()
+
+    async def spill(self) -> None:
+        """Archive the train log's older records (after the commit and its announcement: never before)."""
+        try:
+            moved = await self.history.spill()
+        except OSError as exc:  # a full or unwritable disk: Redis keeps the records until a later spill works
+            self.log.warning("cannot archive the train log to %s: %r", self.history.archive, exc)
+            return
+        if moved:
+            self.log.info("archived %d train-log records to %s", moved, self.history.archive)
 
     async def announce(self, rec: dict[str, Any]) -> None:
         """Publish a committed version: its weights, then its train_step event (kept once per version)."""

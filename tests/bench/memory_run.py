@@ -3,9 +3,13 @@
 Runs the two-agent tic-tac-toe run with every service as a real process (``start_services``, as
 tests/test_restart_e2e.py does) on a fresh tiny model and the smallest settings (``--group-size`` episodes a
 group, one group a batch, 4 new tokens, no evaluation), against an embedded Valkey this script owns. At each
-new training step (the slower agent's train-log length) it samples ``INFO memory`` ``used_memory``. After
-the run: the slope of a least-squares line through (step, used_memory) past ``--warmup`` steps, in MB per
-1,000 steps, and the largest key families at the end (``MEMORY USAGE``), to see what still grows.
+new training step (the slower agent's published version) it samples ``INFO memory`` ``used_memory``; every
+``--family-every`` steps also the bytes of each key family (``MEMORY USAGE``). After the run: the slope of a
+least-squares line through (step, used_memory) past ``--warmup`` steps, in MB per 1,000 steps, with its
+standard error; the same slope per key family (what still grows, and by how much); and the slope without the
+done-id sets, which are pruned by time (the stream's retention minus the producers' 600 s retry window,
+services/common/retention.py) and so level off only in runs longer than that window (``--warmup-s``
+fits only the points sampled after that many seconds).
 
     PYTHONPATH=$PWD python tests/bench/memory_run.py --steps 200 --out build/memory_run.json
 """
@@ -45,19 +49,27 @@ def write_config(d: Path, model: Path, args: argparse.Namespace) -> Path:
            "environment": {"name": "tictactoe", "group_size": args.group_size, "roles": {"X": "A", "O": "B"},
                            "alternate_roles": True, "eval": {"episodes": 0}},
            "agents": {"A": dict(agent), "B": dict(agent)}}
+    if args.state_kept_steps:  # 0: leave it out (code from before the knob, for a side-by-side run)
+        cfg["run"]["state_kept_steps"] = args.state_kept_steps
     path = d / "memory.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def slope_mb_per_1000(points: list[tuple[int, int, float]]) -> float:
-    """Least-squares slope of used_memory (bytes) over steps, as MB per 1,000 steps."""
+def slope_mb_per_1000(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares slope of bytes over steps, as MB per 1,000 steps, with its standard error."""
     n = len(points)
+    if n < 3:
+        return float("nan"), float("nan")
     mx = sum(p[0] for p in points) / n
     my = sum(p[1] for p in points) / n
     sxx = sum((p[0] - mx) ** 2 for p in points)
-    sxy = sum((p[0] - mx) * (p[1] - my) for p in points)
-    return sxy / sxx * 1000 / 1e6 if sxx else float("nan")
+    if not sxx:
+        return float("nan"), float("nan")
+    b = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
+    resid = sum((p[1] - my - b * (p[0] - mx)) ** 2 for p in points)
+    se = (resid / (n - 2) / sxx) ** 0.5
+    return b * 1000 / 1e6, se * 1000 / 1e6
 
 
 def key_families(client: redis.Redis) -> dict[str, int]:
@@ -68,11 +80,24 @@ def key_families(client: redis.Redis) -> dict[str, int]:
         name = re.sub(r"[0-9a-f]{16,}", "<id>", name)
         name = re.sub(r":(A|B)(:|$)", r":<agent>\2", name)
         sizes[name] += int(client.memory_usage(key) or 0)
-    return dict(sizes.most_common(15))
+    return dict(sizes.most_common())
 
 
 def trained_steps(client: redis.Redis) -> int:
-    return min(int(client.llen(f"tandem:{RUN}:trainer:{a}:log")) for a in ("A", "B"))
+    """The slower agent's published version (the train log itself is bounded: it no longer counts steps)."""
+    return min(int(client.get(f"tandem:{RUN}:state:{a}:published_version") or 0) for a in ("A", "B"))
+
+
+def family_slopes(samples: list[tuple[int, dict[str, int]]], warmup: int) -> dict[str, float]:
+    """MB per 1,000 steps of each key family past ``warmup`` (the largest growth first)."""
+    fit = [(step, fam) for step, fam in samples if step >= warmup]
+    names = {n for _, fam in fit for n in fam}
+    out = {n: slope_mb_per_1000([(step, fam.get(n, 0)) for step, fam in fit])[0] for n in names}
+    return {n: round(v, 3) for n, v in sorted(out.items(), key=lambda kv: -abs(kv[1])) if abs(v) >= 0.005}
+
+
+def is_done_set(family: str) -> bool:
+    return ":done:" in family
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -87,6 +112,7 @@ def run(args: argparse.Namespace) -> dict:
     group = ProcessGroup(d / "logs", child_env({"TANDEM_REDIS_URL": server.url,
                                               SECRET_ENV: run_dir_secret(d)}), lambda name, line: None)
     points: list[tuple[int, int, float]] = []  # (step, used_memory, seconds since the start)
+    families: list[tuple[int, dict[str, int]]] = []  # (step, bytes by key family), every --family-every steps
     started = time.time()
     try:
         start_services(cfg, str(path), group, cfg.api.port)
@@ -96,33 +122,58 @@ def run(args: argparse.Namespace) -> dict:
             step = trained_steps(client)
             if step > last:
                 points.append((step, int(client.info("memory")["used_memory"]), round(time.time() - started, 1)))
+                if step % args.family_every == 0 or not families:
+                    families.append((step, key_families(client)))
                 last = step
             time.sleep(0.25)
-        families = key_families(client)
+        families.append((trained_steps(client), key_families(client)))
     finally:
         group.stop_all()
         client.close()
         server.stop()
+    return summarise(args, points, families, d)
+
+
+def summarise(args: argparse.Namespace, points: list[tuple[int, int, float]],
+              families: list[tuple[int, dict[str, int]]], d: Path) -> dict:
     steps = points[-1][0] if points else 0
-    fit = [p for p in points if p[0] >= args.warmup]
-    return {"steps_requested": args.steps, "steps_done": steps, "wall_s": round(time.time() - started, 1),
-            "warmup_steps": args.warmup, "points_fitted": len(fit),
-            "mb_per_1000_steps": round(slope_mb_per_1000(fit), 3) if len(fit) > 2 else None,
+    fit = [p for p in points if p[0] >= args.warmup and p[2] >= args.warmup_s]
+    warm = fit[0][0] if fit else steps + 1
+    slope, se = slope_mb_per_1000([(p[0], p[1]) for p in fit])
+    fam_fit = [(step, fam) for step, fam in families if step >= warm]
+    no_done, no_done_se = slope_mb_per_1000([(step, sum(v for n, v in fam.items() if not is_done_set(n)))
+                                             for step, fam in fam_fit])
+    done, _ = slope_mb_per_1000([(step, sum(v for n, v in fam.items() if is_done_set(n))) for step, fam in fam_fit])
+    last = families[-1][1] if families else {}
+    return {"steps_requested": args.steps, "steps_done": steps, "wall_s": points[-1][2] if points else None,
+            "warmup_steps": args.warmup, "warmup_s": args.warmup_s, "first_fitted_step": warm,
+            "points_fitted": len(fit),
+            "mb_per_1000_steps": round(slope, 3), "mb_per_1000_steps_se": round(se, 3),
+            "keys_mb_per_1000_steps": {"all_but_done_sets": round(no_done, 3), "all_but_done_sets_se":
+                                       round(no_done_se, 3), "done_sets": round(done, 3)},
+            "family_mb_per_1000_steps": family_slopes(fam_fit, warm),
             "used_memory_mb_first": round(points[0][1] / 1e6, 3) if points else None,
             "used_memory_mb_at_warmup": round(fit[0][1] / 1e6, 3) if fit else None,
             "used_memory_mb_last": round(points[-1][1] / 1e6, 3) if points else None,
             "settings": {"group_size": args.group_size, "groups_per_batch": 1, "transcripts_kept":
-                         args.transcripts_kept, "trim_interval_s": args.trim_interval_s},
-            "largest_key_families_bytes": families, "points": points, "run_dir": str(d)}
+                         args.transcripts_kept, "trim_interval_s": args.trim_interval_s,
+                         "state_kept_steps": args.state_kept_steps},
+            "largest_key_families_bytes": dict(list(last.items())[:15]),
+            "points": points, "families": families, "run_dir": str(d)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=40, help="steps left out of the fit")
+    p.add_argument("--warmup", type=int, default=80, help="steps left out of the fit (the kept window fills)")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="seconds left out of the fit (700: past the "
+                   "done-sets' 600 s retry grace)")
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--transcripts-kept", type=int, default=50)
+    p.add_argument("--state-kept-steps", type=int, default=50, help="run.state_kept_steps (the default); "
+                   "0 leaves it out of the config (older code)")
     p.add_argument("--trim-interval-s", type=float, default=5.0)
+    p.add_argument("--family-every", type=int, default=10, help="sample key families every N steps")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="stop sampling after this long")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -131,7 +182,7 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-    print(json.dumps({k: v for k, v in result.items() if k != "points"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("points", "families")}, indent=2))
 
 
 if __name__ == "__main__":
