@@ -1,6 +1,7 @@
 """256 concurrent episodes through ``tandem up`` lose none (docs/architecture.md §10, §4; issue 16).
 
-The demo topology (configs/demo.yaml: tic-tac-toe, A against B, groups of 8, 16 groups a batch) with
+The demo's services (configs/demo.yaml) with A against B in every group (its opponent mix is taken out, so
+both agents train on every group: tic-tac-toe, groups of 8, 16 groups a batch) with
 ``concurrent_episodes: 256`` and both agents at ``max_staleness: 1``, so that two steps' groups (32 x 8
 = 256 episodes) may play at once. Checks: the run exits 0; more than 128 episodes were in flight at
 some point (the status, polled); every launched group ends, per agent, kept, dropped or abandoned in
@@ -38,8 +39,9 @@ def _config(tmp: Path, model: Path, redis_url: str, port: int) -> Path:
                       checkpoint_root=str(tmp / "ckpt"), output_dir=str(tmp / "runs"))
     cfg["redis_url"], cfg["api"]["port"] = redis_url, port
     cfg["environment"]["eval"]["episodes"] = 0
+    cfg["environment"].pop("matchups", None)  # A against B in every group: every group is in both ledgers
     for agent in cfg["agents"].values():
-        agent.update(model_path=str(model), max_staleness=1)
+        agent.update(model_path=str(model), max_staleness=1, groups_per_batch=16)
     path = tmp / "many.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
