@@ -140,6 +140,12 @@ def test_mean_se_and_eval_shapes() -> None:
     assert [(p["opponent"], p["score"], p["illegal"]) for p in points] == [("random", 0.5, 0.02),
                                                                            ("minimax", 0.1, None)]
     assert eval_points({"evals": [{"scores": {"A": 0.3}, "versions": {"A": 4}}]}, "random")[0]["step"] == 4
+    # the coordinator's shape: "details" holds the headline opponent's report, "vs" every opponent's
+    both = {"evals": [{"label": "end", "versions": {"A": 3}, "scores": {"A": 0.6},
+                       "details": {"A": {"score": 0.6, "opponent": "random"}},
+                       "vs": {"A": {"random": {"score": 0.6}, "minimax": {"score": 0.2, "illegal_rate": 0.01}}}}]}
+    assert [(p["opponent"], p["score"], p["illegal"], p["step"]) for p in eval_points(both)] == [
+        ("random", 0.6, None, 3), ("minimax", 0.2, 0.01, 3)]
 
 
 def test_a_done_sub_run_with_the_same_config_is_kept(tmp_path: Path) -> None:

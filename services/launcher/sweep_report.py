@@ -69,9 +69,10 @@ def eval_points(summary: dict[str, Any], default_opponent: str = "eval") -> list
     for i, ev in enumerate(summary.get("evals") or []):
         scores = ev.get("scores") or {}
         details = ev.get("details") or {}
-        for agent in dict.fromkeys([*scores, *details]):
+        for agent in dict.fromkeys([*scores, *details, *(ev.get("vs") or {})]):
             step = (ev.get("steps") or {}).get(agent, (ev.get("versions") or {}).get(agent, 0))
-            for opponent, rep in _reports(details.get(agent), scores.get(agent), default_opponent):
+            detail = (ev.get("vs") or {}).get(agent) or details.get(agent)  # "vs": every opponent's report
+            for opponent, rep in _reports(detail, scores.get(agent), default_opponent):
                 if isinstance(rep.get("score"), int | float):
                     points.append({"index": i, "label": ev.get("label"), "agent": agent, "opponent": opponent,
                                    "step": int(step or 0), "score": float(rep["score"]),
@@ -113,7 +114,8 @@ def aggregate(subs: list[SubRun]) -> dict[str, Any]:
             a = (summary.get("agents") or {}).get(agent) or {}
             s["cells"][(agent, opponent)].append({"seed": sub.seed, "start": se["start"]["score"],
                                                   "end": se["end"]["score"], "end_step": se["end"]["step"],
-                                                  "illegal": se["end"]["illegal"], "train_illegal": _illegal(a),
+                                                  "illegal": se["end"]["illegal"],
+                                                  "train_illegal": a.get("train_illegal_rate", _illegal(a)),
                                                   "curve": se["curve"]})
     return {name: {"runs": s["runs"], "missing": s["missing"],
                    "rows": [_row(agent, opp, s["train"].get(agent, True), cells)
