@@ -60,5 +60,6 @@ async def test_the_frozen_agent_is_evaluated_and_marked(redis_url: str, tiny_mod
     coord.state.agents["A"].eval_start = headline["A"]
     summary = write_report(coord.state, coord.evals, cfg.run_dir(), 1.0)
     points = eval_points(json.loads(summary.read_text()))
-    assert {(p["agent"], p["opponent"]) for p in points} == {("A", "random"), ("B", "random")}  # B has a sweep row
+    # every opponent of every agent has a sweep row, the frozen B's too
+    assert {(p["agent"], p["opponent"]) for p in points} == {(a, o) for a in "AB" for o in ("random", "minimax")}
     await bus.close()

@@ -75,7 +75,7 @@ def test_sglang_engine_commands() -> None:
         assert used <= flags, used - flags
     embedded = engine_command(AgentConfig(model_path="m", max_inflight_per_engine=8), "B", 0, 9000)
     assert embedded[1:] == ["-m", "services.engine", "--model-path", "m", "--host", "127.0.0.1", "--port", "9000",
-                            "--engine-id", "B-0", "--max-batch", "8"]
+                            "--engine-id", "B-0", "--max-batch", "8", "--device", "cpu", "--dtype", "float32"]
 
 
 def test_config_fields_of_the_lifecycle() -> None:

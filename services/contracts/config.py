@@ -16,15 +16,20 @@ from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from services.contracts.agent_parts import (  # noqa: F401 (re-exported: the config's one import path)
+    BUILTIN_ALGORITHMS,
+    PLUGIN_PATH,
+    AlgorithmConfig,
+    DeviceConfig,
+    LoraConfig,
+    MegatronLayout,
+    SGLangEngineConfig,
+    Strict,
+)
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted, cycle_roles, parse_role_map
-
-PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-# the trainer's registry (services/training/algorithms) holds exactly these; plug-ins: package.module:Class
-BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "ppo", "gspo", "cispo", "reinforce_pp", "reinforce_pp_baseline", "sft",
-                      "dpo")
 
 
 class _Loader(yaml.SafeLoader):
@@ -49,81 +54,6 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the field."""
 
 
-class Strict(BaseModel):
-    """Every config section: unknown fields, lax coercion (``"1.0"`` for a number, ``"yes"`` for a bool)
-    and non-finite floats (``.inf``, ``.nan``) are errors naming the field."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class AlgorithmConfig(Strict):
-    """The agent's RL algorithm (``name``) and its hyper-parameters; unused ones are ignored by the others."""
-
-    name: str = "grpo"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    clip_eps_low: float = Field(0.2, gt=0, le=1, description="ratio clip below 1 (PPO family, CISPO, GSPO)")
-    clip_eps_high: float = Field(0.2, gt=0)
-    epochs: int = Field(1, ge=1, description="passes over each batch")
-    minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
-    max_grad_norm: float = Field(1.0, gt=0)
-    normalize_std: bool = Field(True, description="grpo/ppo/gspo/cispo: divide advantages by the group's std")
-    dual_clip_c: float = Field(3.0, gt=1, description="ppo: dual-clip bound on negative-advantage tokens")
-    norm_tokens: int = Field(0, ge=0, description="dr_grpo: loss = token sum / (sequences x norm_tokens); "
-                                                   "0 = the batch's padded length")
-    dpo_beta: float = Field(0.1, gt=0)
-    sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this")
-    kl_coef: float = Field(0.0, ge=0, description="> 0 adds a KL term to a frozen reference (the start weights)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0, description="> 0 adds an entropy bonus")
-    tis: bool = Field(True, description="truncated importance sampling for samples older than the trainer")
-    tis_cap: float = Field(2.0, ge=1, description="upper bound of the TIS weight")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    decay_steps: int = Field(1000, ge=1, description="linear/cosine: optimizer steps from warm-up end to min_lr")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    params: dict[str, Any] = Field(default_factory=dict, description="free-form settings for plug-in algorithms")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if ":" in v:
-            if not PLUGIN_PATH.match(v):
-                raise ValueError(f"{v!r} is not a plug-in path of the form package.module:Class")
-            return v
-        if v not in BUILTIN_ALGORITHMS:
-            raise ValueError(f"unknown algorithm {v!r}; available: {', '.join(BUILTIN_ALGORITHMS)} "
-                             f"(or a plug-in package.module:Class)")
-        return v
-
-
-class SGLangEngineConfig(Strict):
-    """Arguments of ``python -m sglang.launch_server`` per engine (``engine: sglang``)."""
-
-    tp_size: int = Field(1, ge=1)
-    mem_fraction_static: float = Field(0.85, gt=0, le=1)
-    base_gpu_id: int = Field(0, ge=0, description="engine i uses GPUs base_gpu_id + i*tp_size ...")
-    extra_args: list[str] = Field(default_factory=list, description="appended to the launch_server command")
-
-
-class LoraConfig(Strict):
-    """LoRA adapters (torch backend, peft) on a frozen base; engines receive the merged weights."""
-
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      min_length=1)
-
-
-class MegatronLayout(Strict):
-    """Parallel layout of the megatron backend (world size = TP x PP x DP processes under torchrun)."""
-
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
-    data_parallel: int = Field(1, ge=1)
-
-
 class AgentConfig(Strict):
     model_path: str
     backend: Literal["torch", "megatron"] = "torch"
@@ -133,6 +63,8 @@ class AgentConfig(Strict):
     router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
     engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+    embedded: DeviceConfig = Field(default_factory=DeviceConfig, description="the embedded engine's device, dtype")
+    trainer: DeviceConfig = Field(default_factory=DeviceConfig, description="the trainer's device and precision")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     groups_per_batch: int = Field(4, ge=1)
     max_staleness: int = Field(0, ge=0)

@@ -1,6 +1,7 @@
 """CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N]
-[--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W]`` serves the embedded
-engine with uvicorn. Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN`` (services/engine/server.py)."""
+[--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W] [--device D] [--dtype T]``
+serves the embedded engine with uvicorn. Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN``
+(services/engine/server.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--switch-interval-ms", type=float, default=5.0,
                         help="the interpreter's thread switch interval (Python's default: 5 ms): how long the "
                              "event loop and the model thread may wait for each other's GIL")
+    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs (the agent's embedded.device); cuda needs a GPU")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -44,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(args.switch_interval_ms / 1000)
     app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
                      engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
-                     admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env())
+                     admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
+                     device=args.device, dtype=args.dtype)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_S)
 

@@ -1,6 +1,7 @@
 """The embedded engine's HTTP server: SGLang's native API (docs/architecture.md §5) over ``generator.Engine``.
 
-``create_app(model_path, weight_version, max_batch, engine_id, admit_quiet_s, admit_window_s)`` loads the model
+``create_app(model_path, weight_version, max_batch, engine_id, admit_quiet_s, admit_window_s, admin_token,
+device, dtype)`` loads the model (on the CPU, or a GPU: ``embedded.device`` / ``embedded.dtype``)
 and returns a FastAPI app serving ``/health``, ``/health_generate``,
 ``/get_model_info`` (+ ``/model_info``), ``/get_server_info`` (+ ``/server_info``),
 ``/get_load``, ``/generate``, ``/update_weights_from_disk``, ``/get_weight_version``,
@@ -79,9 +80,9 @@ class Unauthorized(Exception):
 
 def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
                engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02,
-               admin_token: str | None = None) -> FastAPI:
+               admin_token: str | None = None, device: str = "cpu", dtype: str = "float32") -> FastAPI:
     engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch,
-                    admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s)
+                    admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s, device=device, dtype=dtype)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
@@ -128,7 +129,8 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
         return {**model_info(), "version": VERSION, "engine_id": engine_id, "max_batch": engine.max_batch,
                 "max_running_requests": engine.max_batch, "context_length": engine.context_len,
                 "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
-                "disaggregation_mode": "null", "device": "cpu", "dtype": "float32",
+                "disaggregation_mode": "null", "device": engine.device.type,
+                "dtype": str(engine.model.dtype).removeprefix("torch."),
                 "internal_states": [{"paused": engine.paused, **engine.load(), **engine.stats}]}
 
     @app.get("/health")

@@ -55,7 +55,7 @@ class RunningBatch:
 
     def decode_mask(self) -> torch.Tensor:
         """The attention mask for the next decode step (one more column for the fed token)."""
-        self.mask = torch.cat([self.mask, torch.ones((self.mask.shape[0], 1), dtype=torch.long)], dim=1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
         return self.mask
 
     def advance(self) -> None:
@@ -69,7 +69,7 @@ class RunningBatch:
         if not keep or self.cache is None:
             self.__init__()  # type: ignore[misc]
             return left
-        sel = torch.tensor(keep, dtype=torch.long)
+        sel = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         self.rows = [self.rows[i] for i in keep]
         self.mask, self.next_pos, self.last_tokens = self.mask[sel], self.next_pos[sel], self.last_tokens[sel]
         used = self.mask.sum(dim=0).nonzero()

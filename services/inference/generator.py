@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from services.common.devices import dtype_of, resolve
 from services.inference.batch import RunningBatch
 from services.inference.request import Completion, EngineError, GenRequest, resolve_all
 from services.inference.sampling import sample
@@ -60,11 +61,14 @@ class Engine:
     """The model plus its worker thread. Thread-safe; async entry points."""
 
     def __init__(self, model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
-                 admit_quiet_s: float = 0.0, admit_window_s: float = 0.0) -> None:
+                 admit_quiet_s: float = 0.0, admit_window_s: float = 0.0, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         torch.set_num_threads(1)
         self.model_path = str(model_path)
+        self.device = resolve(device, "embedded.device")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype_of(dtype))
+        self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
@@ -305,6 +309,7 @@ class Engine:
         for i, r in enumerate(live):
             ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids, dtype=torch.long)
             mask[i, width - len(r.input_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
         self.stats["prefills"] += 1
@@ -312,13 +317,13 @@ class Engine:
         toks, lps = self._sample(out.logits[:, -1, :].float(), live)
         with self._cv:
             self.stats["joined_running"] += len(live) if self._batch.rows else 0
-            self._batch.join(live, out.past_key_values, mask, pos[:, -1] + 1, torch.tensor(toks))
+            self._batch.join(live, out.past_key_values, mask, pos[:, -1] + 1, torch.tensor(toks, device=self.device))
         start = len(self._batch.rows) - len(live)
         self._record(list(range(start, start + len(live))), toks, lps)
 
     def _take(self, rows: list[GenRequest], logits: torch.Tensor, all_rows: bool) -> None:
         toks, lps = self._sample(logits, rows)
-        self._batch.last_tokens = torch.tensor(toks)
+        self._batch.last_tokens = torch.tensor(toks, device=self.device)
         self._record(list(range(len(rows))), toks, lps)
 
     def _record(self, idx: list[int], toks: list[int], lps: list[float]) -> None:

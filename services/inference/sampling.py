@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[f
     tok = logp.argmax(dim=-1)
     if not all(greedy):
         vocab = logp.shape[-1]
-        u = _uniforms(generators)
+        u = _uniforms(generators).to(logp.device)
         ks = [k if 0 < k < vocab else 0 for k in top_k]
         free = [i for i, g in enumerate(greedy) if not g and ks[i] == 0 and top_p[i] >= 1.0]
         limited = [i for i, g in enumerate(greedy) if not g and (ks[i] > 0 or top_p[i] < 1.0)]
@@ -67,8 +67,8 @@ def sample_sorted(logits: torch.Tensor, temperature: Sequence[float], top_p: Seq
     logp, greedy = _logprobs(logits, temperature)
     tok = logp.argmax(dim=-1)
     if not all(greedy):
-        drawn = _draw_sorted(logp, _uniforms(generators), list(top_p), list(top_k))
-        tok = torch.where(torch.tensor(greedy), tok, drawn)
+        drawn = _draw_sorted(logp, _uniforms(generators).to(logp.device), list(top_p), list(top_k))
+        tok = torch.where(torch.tensor(greedy, device=logp.device), tok, drawn)
     lp = logp.gather(1, tok[:, None]).squeeze(1)
     return tok.tolist(), lp.tolist()
 
@@ -78,7 +78,7 @@ def _logprobs(logits: torch.Tensor, temperature: Sequence[float]) -> tuple[torch
     logits = logits.float()
     if all(t == 1.0 or g for t, g in zip(temperature, greedy, strict=True)):
         return torch.log_softmax(logits, dim=-1), greedy
-    temps = torch.tensor([1.0 if g else t for t, g in zip(temperature, greedy, strict=True)])
+    temps = torch.tensor([1.0 if g else t for t, g in zip(temperature, greedy, strict=True)], device=logits.device)
     return torch.log_softmax(logits / temps[:, None], dim=-1), greedy
 
 
@@ -91,14 +91,14 @@ def _uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
 
 
 def _rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    return t if len(idx) == t.shape[0] else t[torch.tensor(idx)]
+    return t if len(idx) == t.shape[0] else t[torch.tensor(idx, device=t.device)]
 
 
 def _put(tok: torch.Tensor, idx: list[int], values: torch.Tensor) -> None:
     if len(idx) == tok.shape[0]:
         tok.copy_(values)
     else:
-        tok[torch.tensor(idx)] = values
+        tok[torch.tensor(idx, device=tok.device)] = values
 
 
 def _invert(cdf: torch.Tensor, u: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def _invert(cdf: torch.Tensor, u: torch.Tensor, kept: torch.Tensor) -> torch.Ten
 def _draw_unrestricted(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Every token may be drawn: invert the cumulative distribution in vocabulary order, no sort."""
     cdf = logp.exp().cumsum(dim=-1)
-    kept = torch.full((logp.shape[0], 1), logp.shape[1], dtype=torch.long)
+    kept = torch.full((logp.shape[0], 1), logp.shape[1], dtype=torch.long, device=logp.device)
     return _invert(cdf, u, kept).squeeze(1)
 
 
@@ -118,8 +118,10 @@ def _keep(probs: torch.Tensor, top_p: Sequence[float], ks: Sequence[int]) -> tup
     """The reference's kept mask over sorted probabilities, and their inclusive cumulative sum."""
     width = probs.shape[-1]
     cum = probs.cumsum(dim=-1)
-    keep = torch.arange(width)[None, :] < torch.tensor([k if k > 0 else width for k in ks])[:, None]
-    keep &= (cum - probs) < torch.tensor(list(top_p), dtype=probs.dtype)[:, None]
+    dev = probs.device
+    limit = torch.tensor([k if k > 0 else width for k in ks], device=dev)
+    keep = torch.arange(width, device=dev)[None, :] < limit[:, None]
+    keep &= (cum - probs) < torch.tensor(list(top_p), dtype=probs.dtype, device=dev)[:, None]
     return keep, cum
 
 
@@ -133,8 +135,9 @@ def _draw_candidates(logp: torch.Tensor, u: torch.Tensor, top_p: list[float], ks
     cdf = (probs * keep).cumsum(dim=-1)
     tok = order.gather(1, _invert(cdf, u, keep.sum(dim=-1, keepdim=True))).squeeze(1)
     if width < vocab:
-        top_p_only = torch.tensor([k == 0 for k in ks])
-        short = (top_p_only & (cum[:, -1] < torch.tensor(top_p) + TOP_P_MARGIN)).nonzero().flatten().tolist()
+        top_p_only = torch.tensor([k == 0 for k in ks], device=logp.device)
+        room = torch.tensor(top_p, device=logp.device) + TOP_P_MARGIN
+        short = (top_p_only & (cum[:, -1] < room)).nonzero().flatten().tolist()
         if short:  # the kept set may reach past the candidates: the full sort for these rows
             _put(tok, short, _draw_sorted(_rows(logp, short), _rows(u, short),
                                           [top_p[i] for i in short], [0] * len(short)))

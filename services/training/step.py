@@ -2,7 +2,8 @@
 
 ``TrainingStep.train_step`` plans the step with the algorithm, pads each minibatch, takes the
 no-grad proximal and reference logprobs the algorithm asks for, then per epoch and minibatch:
-zero the grads, forward + loss + backward (``backward``), clip (``clip_grads``), step the
+zero the grads, forward + loss + backward (``backward``; under bf16 autocast when ``precision``
+says so), clip (``clip_grads``), step the
 optimizer and the LR scheduler; it counts the version up and returns the ``train_step``
 metrics. A backend supplies the model-specific parts as the hooks below.
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from services.common.devices import autocast
 from services.contracts.config import AlgorithmConfig
 from services.contracts.messages import Sample
 from services.training.algorithms import Algorithm, Stats, StepPlan, step_metrics
@@ -69,6 +71,8 @@ class TrainingStep(ABC):
     pad_id: int
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device = torch.device("cpu")  # where the passes run
+    precision: str = "float32"  # the agent's trainer.dtype: "bfloat16" autocasts the passes (weights stay float32)
 
     def rows(self, minibatch: list[int]) -> list[int]:
         """The rows of a minibatch this process trains on (all of them, unless data-parallel)."""
@@ -98,7 +102,7 @@ class TrainingStep(ABC):
         rows = [self.rows(mb) for mb in plan.minibatches]
         batches = [pad_batch([plan.samples[i] for i in r], self.pad_id) for r in rows]
         none: list[torch.Tensor | None] = [None] * len(batches)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.device, self.precision):
             prox = [self.old_logprobs(b, reference=False) for b in batches] if self.algo.needs_prox(plan) else none
             ref = [self.old_logprobs(b, reference=True) for b in batches] if self.algo.needs_reference else none
         parts: list[Stats] = []
@@ -106,7 +110,8 @@ class TrainingStep(ABC):
         for epoch in range(self.cfg.epochs if batches else 0):
             for k, r in enumerate(rows):
                 self.optimizer.zero_grad(set_to_none=True)
-                stats = self.backward(batches[k], plan, r, prox[k], ref[k])
+                with autocast(self.device, self.precision):
+                    stats = self.backward(batches[k], plan, r, prox[k], ref[k])
                 grad_norms.append(self.clip_grads())
                 check_finite(stats, grad_norms[-1], f"epoch {epoch} minibatch {k}")
                 self.optimizer.step()

@@ -1,4 +1,4 @@
-"""PyTorch + transformers training backend (CPU, or one GPU).
+"""PyTorch + transformers training backend (CPU, or one GPU: ``trainer.device``, bf16 autocast by ``trainer.dtype``).
 
 Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.devices import resolve
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
@@ -56,7 +57,9 @@ class TorchPolicy(TrainingStep):
         self.algo = make_algorithm(self.cfg)
         self.weight_version = 0
         self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
-        base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32)
+        self.device = resolve(acfg.trainer.device, "trainer.device")
+        self.precision = acfg.trainer.dtype
+        base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32).to(self.device)
         self.reference: torch.nn.Module | None = None
         if acfg.lora is not None:
             self.model: torch.nn.Module = lora().add_adapters(base, acfg.lora)  # reference = adapters disabled
@@ -73,9 +76,10 @@ class TorchPolicy(TrainingStep):
     # -- forward passes ------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = (model or self.model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = (model or self.model)(input_ids=batch["input_ids"].to(self.device),
+                                    attention_mask=batch["attention_mask"].to(self.device))
         logits = out.logits[:, :-1]
-        logp = token_logprobs(logits, batch["targets"], self.temperature)
+        logp = token_logprobs(logits, batch["targets"].to(self.device), self.temperature)
         if not entropy:
             return logp, None
         if self.algo.needs_entropy_grad:
@@ -100,8 +104,9 @@ class TorchPolicy(TrainingStep):
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
                  ref: torch.Tensor | None) -> Stats:
         logp, ent = self.forward(batch, entropy=True)
-        x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], plan.advantages[rows], plan.stale[rows],
-                        prox, ref, ent)
+        dev = logp.device
+        x = make_inputs(self.cfg, logp, batch["old_logp"].to(dev), batch["mask"].to(dev),
+                        plan.advantages[rows].to(dev), plan.stale[rows].to(dev), prox, ref, ent)
         loss, stats = self.algo.loss(x)
         loss.backward()
         return stats

@@ -59,12 +59,18 @@ ENGINE_ROOT = Path(os.environ.get("BENCH_ENGINE_ROOT", ROOT))
 BATCH_CALL = os.environ.get("BENCH_BATCH_CALL", "1") == "1"  # 0: an engine without batch /generate
 ENGINE_ARGS = os.environ.get("BENCH_ENGINE_ARGS", "").split()  # extra engine flags, for tuning
 CONCURRENCY = tuple(int(c) for c in os.environ.get("BENCH_CONCURRENCY", "1,8,32,64,128").split(","))
+# Both arms on one device and dtype (a GPU: BENCH_DEVICE=cuda BENCH_DTYPE=bfloat16), on BENCH_MODEL_DIR when set.
+DEVICE, DTYPE = os.environ.get("BENCH_DEVICE", "cpu"), os.environ.get("BENCH_DTYPE", "float32")
+MODEL_DIR = os.environ.get("BENCH_MODEL_DIR", "")
+SECONDARY = os.environ.get("BENCH_SECONDARY", "1") == "1"  # 0: skip the per-request and httpx lines
 HTTPX_CONCURRENCY = (32, 128)
 N_NEW, ROUNDS, MAX_BATCH = 64, 5, 128
 SEQUENTIAL_N = 16  # prompts for the secondary per-request generate line
 
 
 def _model_dir(tmp: Path) -> Path:
+    if MODEL_DIR:
+        return Path(MODEL_DIR)
     demo = ROOT / "models" / "demo-ttt"
     if (demo / "config.json").is_file():
         return demo
@@ -80,7 +86,8 @@ class Generate:
 
     def __init__(self, model_dir: Path) -> None:
         torch.set_num_threads(1)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[DTYPE]
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
         cfg = self.model.config
         self.pad = int(cfg.pad_token_id)
         self.cfg = GenerationConfig(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=True, temperature=1.0,
@@ -91,10 +98,12 @@ class Generate:
     def batched(self, batch: list[list[int]]) -> float:
         """Seconds for one left-padded batched generate of ``batch``."""
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=DEVICE)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=DEVICE)
         start = time.perf_counter()
         out = self.model.generate(ids, attention_mask=mask, generation_config=self.cfg)
+        if out.is_cuda:
+            torch.cuda.synchronize()
         took = time.perf_counter() - start
         assert out.shape[1] - width == N_NEW
         return took
@@ -224,12 +233,14 @@ async def _one_concurrency(http: Client, url: str, gen: Generate, c: int) -> dic
 
 
 def _start(model_dir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ENGINE_ROOT), "HF_HUB_OFFLINE": "1", "TANDEM_ADMIN_TOKEN": BENCH_TOKEN}
+    path = os.pathsep.join(p for p in (str(ENGINE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TANDEM_ADMIN_TOKEN": BENCH_TOKEN}
     port, rport = free_port(), free_port()
     engine = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "services.engine", "--model-path", str(model_dir), "--port", str(port),
-           "--max-batch", str(MAX_BATCH), *ENGINE_ARGS]
-    procs.append(subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+           "--max-batch", str(MAX_BATCH), "--device", DEVICE, "--dtype", DTYPE, *ENGINE_ARGS]
+    log = open(os.environ["BENCH_ENGINE_LOG"], "ab") if os.environ.get("BENCH_ENGINE_LOG") else subprocess.DEVNULL
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ENGINE_ROOT, stdout=log, stderr=log))
     procs.append(subprocess.Popen(router_command(rport, [engine]), env=env, cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return engine, f"http://127.0.0.1:{rport}"
@@ -253,6 +264,8 @@ async def _router_and_update(http: Client, engine: str, router: str, model_dir: 
 
 
 async def _secondary(http: Client, engine: str, router: str, model_dir: Path, gen: Generate) -> dict[str, Any]:
+    if not SECONDARY:
+        return await _router_and_update(http, engine, router, model_dir)
     seq_batch = prompts(SEQUENTIAL_N)
     seq = [await _alternated(lambda: gen.sequential(seq_batch),
                              lambda: _wall(burst(http, engine, seq_batch)), rnd) for rnd in range(2)]
@@ -328,7 +341,8 @@ def run() -> dict[str, Any]:
     return {"model": str(model_dir.name), "new_tokens": N_NEW, "rounds": ROUNDS, "max_batch": MAX_BATCH,
             "ratio_vs_batched_generate": {c: v["ratio_vs_batched_generate"] for c, v in by_c.items()},
             "engine_tokens_per_s": {c: v["engine_tokens_per_s"] for c, v in by_c.items()},
-            "by_concurrency": by_c, **served, **sampler_figures(),
+            "device": DEVICE, "dtype": DTYPE, "by_concurrency": by_c, **served,
+            **(sampler_figures() if DEVICE == "cpu" else {}),
             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "seconds": round(time.perf_counter() - started, 1)}
 

@@ -53,6 +53,8 @@ STEPS = int(os.environ.get("BENCH_SYSTEM_STEPS", "4"))
 ASYNC = os.environ.get("BENCH_SYSTEM_ASYNC", "1") == "1"
 RUN_TIMEOUT_S = float(os.environ.get("BENCH_SYSTEM_TIMEOUT_S", "900"))
 DEMO = ROOT / "configs" / "demo.yaml"
+# The demo once per device (its engines and trainers there, "cpu,cuda" on a GPU box); the first is the headline.
+DEVICES = os.environ.get("BENCH_SYSTEM_DEVICES", "cpu").split(",")
 
 
 def model_dir(tmp: Path) -> Path:
@@ -65,7 +67,8 @@ def model_dir(tmp: Path) -> Path:
     return copy_warm_model(ROOT / "build" / "test-cache", tmp / "model")
 
 
-def demo_config(tmp: Path, model: Path, name: str, redis_url: str, staleness: int | None) -> Path:
+def demo_config(tmp: Path, model: Path, name: str, redis_url: str, staleness: int | None,
+                device: str = "cpu") -> Path:
     cfg = yaml.safe_load(DEMO.read_text())
     cfg["run"].update(name=name, total_steps=STEPS, checkpoint_root=str(tmp / "ckpt"),
                       output_dir=str(tmp / "runs"), trim_interval_s=0)
@@ -74,6 +77,9 @@ def demo_config(tmp: Path, model: Path, name: str, redis_url: str, staleness: in
     cfg["environment"]["eval"]["episodes"] = 0
     for agent in cfg["agents"].values():
         agent["model_path"] = str(model)
+        if device != "cpu":
+            agent["embedded"] = {"device": device}
+            agent["trainer"] = {"device": device}
         if staleness is not None:
             agent["max_staleness"] = staleness
     path = tmp / f"{name}.yaml"
@@ -95,13 +101,13 @@ def system_step_times(metrics: dict[str, Any]) -> list[float]:
     return [max(ts) for ts in zip(*per_agent, strict=False)]
 
 
-def run_up(tmp: Path, model: Path, name: str, staleness: int | None) -> dict[str, Any]:
+def run_up(tmp: Path, model: Path, name: str, staleness: int | None, device: str = "cpu") -> dict[str, Any]:
     """One ``tandem up`` of the demo config: first-turn seconds, seconds per step, exit code."""
     work = tmp / name
     work.mkdir()
     with EmbeddedRedis(data_dir=work / "redis-ext") as server:
         client = redis.Redis.from_url(server.url)
-        cfg = demo_config(work, model, name, server.url, staleness)
+        cfg = demo_config(work, model, name, server.url, staleness, device)
         with open(work / "launcher.log", "wb") as log:
             started = time.monotonic()
             proc = launch_up(cfg, stdout=log)
@@ -153,9 +159,10 @@ def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-system-") as tmp_name:
         tmp = Path(tmp_name)
         model = model_dir(tmp)
-        demo = run_up(tmp, model, "bench-demo", None)
+        demo = run_up(tmp, model, "bench-demo", None, DEVICES[0])
         in_proc = in_process_step_s(model)
         runs = {"demo": demo}
+        by_device = {d: run_up(tmp, model, f"bench-{d}", None, d) for d in DEVICES[1:]}
         if ASYNC:
             runs["staleness1"] = run_up(tmp, model, "bench-s1", 1)
             runs["staleness0"] = run_up(tmp, model, "bench-s0", 0)
@@ -163,7 +170,8 @@ def run() -> dict[str, Any]:
     out: dict[str, Any] = {
         "system": {"step_time_ratio_vs_in_process": round(demo["step_s"] / in_proc, 2),
                    "system_step_s": demo["step_s"], "in_process_step_s": round(in_proc, 3), "steps": STEPS,
-                   "runs": runs, "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                   "device": DEVICES[0], "by_device": by_device, "runs": runs,
+                   "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                    "seconds": round(time.perf_counter() - started, 1)},
         "startup": {"first_turn_s": round(statistics.median(first_turns), 2) if first_turns else None,
                     "first_turn_s_per_run": first_turns},

@@ -6,11 +6,16 @@ scripted random players, rendered with the demo tokenizer's chat template. Token
 second counts every token of every sample (prompt and generated) per pass, as the
 trainer's ``tokens_per_s`` metric does. The backends run in one process on the same batch,
 their steps alternating; ``megatron`` is measured when its package is present.
+
+On a GPU (``BENCH_TRAINER_DEVICE=cuda``, ``BENCH_TRAINER_ARMS=torch:float32,torch:bfloat16,...``,
+``BENCH_TRAINER_MODEL_DIR`` a bigger model) each arm also gets its MFU: 6 x matmul parameters x
+tokens/s over ``BENCH_PEAK_TFLOPS`` (attention's score FLOPs left out: these sequences are short).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import tempfile
@@ -46,44 +51,75 @@ def game_view(tokenizer, seed: int, group: int) -> Sample:  # type: ignore[no-un
                   reward=rewards.get("X", 0.0), weight_versions=[0])
 
 
-def measure(backends: list[str], model_dir: Path, samples: list[Sample], steps: int) -> dict[str, float]:
-    """Median tokens/s per backend; the backends' steps alternate, so a busy machine slows them alike."""
+ARMS = os.environ.get("BENCH_TRAINER_ARMS", "")  # e.g. "torch:float32,torch:bfloat16,megatron:bfloat16"
+MODEL_DIR = os.environ.get("BENCH_TRAINER_MODEL_DIR", "")  # default: the demo's tiny model
+DEVICE = os.environ.get("BENCH_TRAINER_DEVICE", "cpu")
+MINIBATCHES = int(os.environ.get("BENCH_TRAINER_MINIBATCHES", "2"))
+# MFU's denominator: dense bf16 peak of the GPU (H100 SXM: 989 TFLOP/s); a float32 arm is held to it too.
+PEAK_TFLOPS = float(os.environ.get("BENCH_PEAK_TFLOPS", "989"))
+
+
+def matmul_params(model_dir: Path) -> int:
+    """Parameters a token multiplies through (every weight matrix, the LM head once even when tied; no norms)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn = c.hidden_size * head * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_hidden_layers * (attn + mlp) + c.vocab_size * c.hidden_size
+
+
+def measure(arms: list[str], model_dir: Path, samples: list[Sample], steps: int) -> dict[str, float]:
+    """Median tokens/s per arm (``backend:dtype``); the arms' steps alternate, so a busy machine slows them alike."""
     from services.training.backends import make_policy
 
     policies = {}
-    for backend in backends:
+    for arm in arms:
+        backend, dtype = arm.split(":")
         acfg = AgentConfig(model_path=str(model_dir), backend=backend,
-                           algorithm=AlgorithmConfig(name="grpo", lr=1e-3, minibatches=2))
-        policies[backend] = make_policy(acfg, 1.0)
-        policies[backend].train_step(samples)  # warm-up
-    rates: dict[str, list[float]] = {b: [] for b in backends}
+                           algorithm=AlgorithmConfig(name="grpo", lr=1e-3, minibatches=MINIBATCHES),
+                           trainer={"device": DEVICE, "dtype": dtype})
+        policies[arm] = make_policy(acfg, 1.0)
+        policies[arm].train_step(samples)  # warm-up
+    rates: dict[str, list[float]] = {a: [] for a in arms}
     for _ in range(steps):
-        for backend, policy in policies.items():
+        for arm, policy in policies.items():
             policy.weight_version = 0  # keep every sample on-policy, as in the demo's agent A
-            rates[backend].append(policy.train_step(samples)["tokens_per_s"])
-    return {f"{b}_tokens_per_s": statistics.median(r) for b, r in rates.items()}
+            rates[arm].append(policy.train_step(samples)["tokens_per_s"])
+    return {f"{a.replace(':float32', '').replace(':', '_')}_tokens_per_s": statistics.median(r)
+            for a, r in rates.items()}
+
+
+def default_arms() -> list[str]:
+    arms = ["torch:float32"]
+    try:
+        import services.training.megatron  # noqa: F401
+        arms.append("megatron:float32")
+    except ImportError:
+        pass
+    return arms
 
 
 def run(steps: int = 5) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = create_tiny_model(Path(tmp) / "model", seed=0)
+        model_dir = Path(MODEL_DIR) if MODEL_DIR else create_tiny_model(Path(tmp) / "model", seed=0)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         samples = [game_view(tokenizer, seed=g * 1000 + k, group=g) for g in range(GROUPS) for k in range(GROUP_SIZE)]
         out: dict[str, float] = {"batch_samples": float(len(samples)),
                                  "batch_tokens": float(sum(len(s.tokens) for s in samples))}
-        backends = ["torch"]
-        try:
-            import services.training.megatron  # noqa: F401
-            backends.append("megatron")
-        except ImportError:
-            pass
-        out.update(measure(backends, model_dir, samples, steps))
+        arms = ARMS.split(",") if ARMS else default_arms()
+        out.update(measure(arms, model_dir, samples, steps))
         if "megatron_tokens_per_s" in out:
             out["megatron_over_torch"] = out["megatron_tokens_per_s"] / out["torch_tokens_per_s"]
+        if DEVICE != "cpu":  # 6 FLOPs per matmul parameter per token: a forward and a backward pass
+            flops = 6 * matmul_params(model_dir)
+            out.update({f"{k.removesuffix('_tokens_per_s')}_mfu": v * flops / (PEAK_TFLOPS * 1e12)
+                        for k, v in list(out.items()) if k.endswith("_tokens_per_s")})
         return out
 
 
 if __name__ == "__main__":
-    print(run())
+    print(run(int(os.environ.get("BENCH_TRAINER_STEPS", "5"))))

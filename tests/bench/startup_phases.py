@@ -108,7 +108,8 @@ def one_run(root: Path, model: Path, steps: int, trace: Path | None) -> dict[str
         cfg = config(tmp, root, model, server.url, steps)
         probe = tmp / "probe"
         probe.mkdir()
-        env = {**os.environ, "PYTHONPATH": f"{PROBE}:{root}", "TANDEM_STARTUP_PROBE": str(probe)}
+        path = os.pathsep.join(x for x in (str(PROBE), str(root), os.environ.get("PYTHONPATH", "")) if x)
+        env = {**os.environ, "PYTHONPATH": path, "TANDEM_STARTUP_PROBE": str(probe)}
         lines: list[tuple[float, str]] = []
         wall0, started = time.time(), time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(cfg)], cwd=root, env=env,

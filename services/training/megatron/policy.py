@@ -76,6 +76,8 @@ class MegatronPolicy(TrainingStep):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(lay, self.arch, world, torch.cuda.is_available())
         self.on_gpu = init_parallel(lay.tensor_parallel, lay.pipeline_parallel, acfg.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.precision = acfg.trainer.dtype  # bf16 autocast of the passes; weights and AdamW stay float32
         random.seed(acfg.seed)
         self.rank = dist.get_rank()
         self.follower = self.rank != 0

@@ -1,0 +1,39 @@
+"""Devices and precision of the embedded engine and the trainers (docs/architecture.md §9).
+
+``resolve`` turns a config's ``auto``/``cpu``/``cuda`` into a ``torch.device`` at a process's start
+and fails there, naming the config field, when ``cuda`` is asked for and torch sees no GPU.
+``autocast`` is the trainer's mixed precision: float32 weights and optimizer, the passes in bfloat16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from services.contracts.config import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve(device: str, field: str = "device") -> torch.device:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without one is a ``ConfigError``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{field}: {device!r} was asked for, but torch sees no GPU (torch {torch.__version__})")
+    return torch.device(device)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype: {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: str) -> Any:
+    """The passes' precision: ``bfloat16`` autocasts on ``device`` (weights stay float32); ``float32`` is a no-op."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype_of(dtype))
