@@ -28,6 +28,8 @@ import yaml
 
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.streams import Streams
+from services.launcher.processes import LOST_EPISODES
+from services.launcher.up import failed_episodes
 from tests import aof_audit
 from tests.helpers import REPO, launch_up
 
@@ -222,8 +224,10 @@ def run(tmp_path_factory, tiny_model_dir):
 
 
 def test_the_run_finishes_every_step_of_both_agents(run):
-    assert run["returncode"] == 0, run["log"][-4000:]
     summary = run["summary"]
+    # a kill mid-episode may lose that episode: the run then says so in its exit code and summary (issue 16)
+    lost = failed_episodes(summary)
+    assert run["returncode"] == (LOST_EPISODES if lost else 0), (lost, run["log"][-4000:])
     assert summary["phase"] == "done"
     for a in AGENTS:
         s = summary["agents"][a]

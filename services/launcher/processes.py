@@ -30,6 +30,7 @@ from services.common.lifetime import die_with_parent
 
 # exit codes a restart cannot fix: the run stops at once, naming the reason
 PERMANENT_EXITS = {2: "a bad config", 3: "the run failed"}
+LOST_EPISODES = 4  # ``tandem up``'s exit code for a run that finished but lost episodes (summary: episodes_failed)
 
 
 class ServiceFailed(RuntimeError):

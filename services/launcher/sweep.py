@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from services.contracts.config import ConfigError, TandemConfig, parse_config, yaml_load
+from services.launcher.processes import LOST_EPISODES
 
 SETUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_:-]+)*$")
@@ -212,6 +213,9 @@ def run_sub(sub: SubRun, redo: bool) -> int:
             proc.wait(timeout=120)
             raise
     print(f"[sweep] {sub.name}: exit {proc.returncode}", flush=True)
+    if proc.returncode == LOST_EPISODES:  # finished: its report counts what it lost (episodes_failed)
+        print(f"[sweep] {sub.name}: finished with failed episodes (see its summary.json)", flush=True)
+        return 0
     return proc.returncode
 
 

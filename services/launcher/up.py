@@ -33,7 +33,14 @@ from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
-from services.launcher.processes import ProcessGroup, RestartBudget, Supervised, child_env, python_module
+from services.launcher.processes import (
+    LOST_EPISODES,
+    ProcessGroup,
+    RestartBudget,
+    Supervised,
+    child_env,
+    python_module,
+)
 from services.launcher.progress import Progress, fmt_duration
 from services.play.evaluation import fmt_report
 
@@ -287,8 +294,15 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     return report(run_dir, code, restarts, console)
 
 
+def failed_episodes(summary: dict) -> dict[str, int]:
+    """Episodes the run lost (an environment bug, a lost turn), per purpose: ``episodes_failed``'s totals."""
+    return {purpose: int(per.get("total", 0)) for purpose, per in (summary.get("episodes_failed") or {}).items()
+            if int(per.get("total", 0))}
+
+
 def report(run_dir: Path, code: int, restarts: dict[str, int], console: Console) -> int:
-    """Add the restarts per service to ``summary.json`` and print the summary of a finished run."""
+    """Add the restarts per service to ``summary.json`` and print the summary of a finished run. A run that
+    finished but lost episodes exits ``LOST_EPISODES`` (4), naming them, so scripts and sweeps see it."""
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
@@ -297,6 +311,10 @@ def report(run_dir: Path, code: int, restarts: dict[str, int], console: Console)
         if code == 0:
             console.print(summary_table(summary))
             console.print(f"summary: {summary_path}   plot: {run_dir / 'rewards.png'}")
+            if lost := failed_episodes(summary):
+                console.print(f"[yellow]the run finished but lost episodes: {lost} (summary.json episodes_failed, "
+                              f"the coordinator's log says why); exit {LOST_EPISODES}[/yellow]", soft_wrap=True)
+                code = LOST_EPISODES
     if any(restarts.values()):
         console.print("restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()) if v))
     return code
