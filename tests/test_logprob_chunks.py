@@ -45,3 +45,14 @@ def test_bfloat16_logits_get_bfloat16_gradients_close_to_the_whole_pass() -> Non
     token_logprobs(parts, targets, 0.7, chunk_logits=64).sum().backward()
     assert parts.grad.dtype == torch.bfloat16
     assert torch.allclose(whole.grad.float(), parts.grad.float(), rtol=0, atol=1e-2)
+
+
+def test_the_trainers_shifted_view_is_chunked_without_a_copy_and_gets_its_gradient() -> None:
+    logits, targets = logits_and_targets()
+    whole, parts = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    token_logprobs(whole[:, :-1], targets[:, 1:], 1.0).sum().backward()
+    lp = token_logprobs(parts[:, :-1], targets[:, 1:], 1.0, chunk_logits=100)
+    with torch.no_grad():
+        assert torch.equal(token_entropy(parts[:, :-1], 1.0, chunk_logits=100), token_entropy(whole[:, :-1], 1.0))
+    lp.sum().backward()
+    assert torch.allclose(whole.grad, parts.grad, rtol=0, atol=1e-6) and not parts.grad[:, -1].any()

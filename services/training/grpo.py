@@ -50,19 +50,30 @@ def _entropy_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def _keys(shape: torch.Size, chunk_logits: int) -> list[tuple[int, slice]]:
+    """Index keys of [B, T, V] logits, each at most ``chunk_logits`` logits of one batch row: views, no copies
+    (a reshape of the trainers' shifted logits, ``logits[:, :-1]``, would copy them whole)."""
+    step = max(1, chunk_logits // shape[-1])
+    return [(b, slice(i, i + step)) for b in range(shape[0]) for i in range(0, shape[1], step)]
+
+
 def _by_chunks(fn: Any, logits: torch.Tensor, *rest: Any, chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
-    """``fn`` over [B, T, V] logits, in row chunks of at most ``chunk_logits`` logits when there are more."""
+    """``fn`` over [B, T, V] logits, in chunks of at most ``chunk_logits`` logits when there are more. Without a
+    gradient each chunk is a view; with one, the rows are split and each chunk recomputed in the backward pass."""
     vocab = logits.shape[-1]
     if logits.numel() <= chunk_logits:
         return fn(logits, *rest)
+    if not (torch.is_grad_enabled() and logits.requires_grad) and logits.dim() == 3:
+        out = torch.empty(logits.shape[:-1], device=logits.device)
+        for key in _keys(logits.shape, chunk_logits):
+            out[key] = fn(logits[key], *(r[key] if isinstance(r, torch.Tensor) else r for r in rest))
+        return out
     step = max(1, chunk_logits // vocab)
     # split (not slicing): its backward writes every chunk's gradient into one tensor, not one zero-filled
     # full-size tensor per chunk
     chunks = logits.reshape(-1, vocab).split(step)
     extra = [r.reshape(-1).split(step) if isinstance(r, torch.Tensor) else [r] * len(chunks) for r in rest]
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    parts = [checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
-             for args in zip(chunks, *extra, strict=True)]
+    parts = [checkpoint(fn, *args, use_reentrant=False) for args in zip(chunks, *extra, strict=True)]
     return torch.cat(parts).view(logits.shape[:-1])
 
 
@@ -71,34 +82,37 @@ class _ChunkedLogprobs(torch.autograd.Function):
     by chunk into one tensor: nothing of the vocabulary's size is kept between the passes but the logits."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, targets: torch.Tensor, temperature: float, step: int) -> torch.Tensor:
-        ctx.save_for_backward(flat, targets)
-        ctx.temperature, ctx.step = temperature, step
-        return torch.cat([_logp_rows(x, t, temperature) for x, t in zip(flat.split(step), targets.split(step),
-                                                                          strict=True)])
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk_logits: int) -> torch.Tensor:
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.chunk_logits = temperature, chunk_logits
+        out = torch.empty(targets.shape, device=logits.device)
+        for key in _keys(logits.shape, chunk_logits):
+            out[key] = _logp_rows(logits[key], targets[key], temperature)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        flat, targets = ctx.saved_tensors
-        grad = torch.empty_like(flat)
+        logits, targets = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         t = ctx.temperature if ctx.temperature > 0 else 1.0
-        for x, tg, g, out in zip(flat.split(ctx.step), targets.split(ctx.step), grad_out.split(ctx.step),
-                                 grad.split(ctx.step), strict=True):
-            d = torch.softmax(_scaled(x, ctx.temperature), dim=-1).neg_()
-            d.scatter_add_(-1, tg.unsqueeze(-1), torch.ones_like(tg, dtype=d.dtype).unsqueeze(-1))
-            out.copy_(d.mul_((g / t).unsqueeze(-1)))
+        for key in _keys(logits.shape, ctx.chunk_logits):
+            d = torch.softmax(_scaled(logits[key], ctx.temperature), dim=-1).neg_()
+            tg = targets[key].unsqueeze(-1)
+            d.scatter_add_(-1, tg, torch.ones_like(tg, dtype=d.dtype))
+            grad[key] = d.mul_((grad_out[key] / t).unsqueeze(-1))
         return grad, None, None, None
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                    chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
     """log p(target) under softmax(logits / temperature); logits [B, T, V], targets [B, T]."""
-    vocab = logits.shape[-1]
     if logits.numel() <= chunk_logits:
         return _logp_rows(logits, targets, temperature)
-    step = max(1, chunk_logits // vocab)
-    flat = _ChunkedLogprobs.apply(logits.reshape(-1, vocab), targets.reshape(-1), temperature, step)
-    return flat.view(targets.shape)
+    if logits.dim() != 3:
+        return token_logprobs(logits.reshape(-1, *logits.shape[-2:]), targets.reshape(-1, targets.shape[-1]),
+                              temperature, chunk_logits).view(targets.shape)
+    return _ChunkedLogprobs.apply(logits, targets, temperature, chunk_logits)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float, chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
