@@ -39,8 +39,8 @@ def test_services_never_import_each_other_and_contracts_import_no_service():
 # does at start (tokenizers, context windows, a chat turn, TensorBoard's writer): no torch (issue 16.5).
 NO_TORCH_CHILD = """
 import sys
-import services.buffer.__main__, services.launcher.cli
-assert "transformers" not in sys.modules, "the buffer and the launcher import transformers"
+import services.buffer.__main__, services.launcher.cli, services.trainer.__main__
+assert "transformers" not in sys.modules, "the buffer, the launcher or the trainer's entry imports transformers"
 import services.coordinator.__main__
 from services.common.bus import Bus
 from services.contracts.config import parse_config

@@ -107,7 +107,8 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
     """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
     and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``). The order is
     the first turn's critical path: the rollouts (their engines are the slowest start), the coordinator,
-    then the buffers and trainers (needed only once the first groups are played); all start at once."""
+    then the buffers and trainers (needed only once the first groups are played); all start at once, and a
+    trainer under ``tandem up`` loads its model after its agent's first turn (services/trainer/__main__.py)."""
     base = {agent: ["--config", config_path, "--agent", agent] for agent in cfg.agents}
     for agent in cfg.agents:
         group.start(f"rollout.{agent}", python_module("services.rollout", *base[agent]))
@@ -254,7 +255,8 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
             console.print(f"[dim]{name:>13}[/dim] │ {line}", markup=True, highlight=False, soft_wrap=True)
 
     redis = None
-    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir)}  # weights signing: by environment, not Redis
+    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir),  # weights signing: by environment, not Redis
+                           "TANDEM_TRAINER_AFTER_FIRST_TURN": "1"}  # trainers start once the engines serve
     redis_url = cfg.redis_url
     if not cfg.redis_url:
         redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,

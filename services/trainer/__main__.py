@@ -1,9 +1,19 @@
-"""Trainer entry point: ``python -m services.trainer --config C --agent A`` (the service: trainer/service.py)."""
+"""Trainer entry point: ``python -m services.trainer --config C --agent A`` (the service: trainer/service.py).
+
+Under ``tandem up`` (``AFTER_FIRST_TURN_ENV`` set) the trainer imports torch and loads its model only once its
+agent's first turn is on the turns stream (or after ``FIRST_TURN_WAIT_S``): on a small machine its start would
+otherwise compete for the CPU with the engines the first turn waits for, while the trainer is needed only once
+a batch is played (docs/architecture.md §9, Start-up).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
+
+import redis.asyncio as aioredis
 
 from services.common.bus import Bus
 from services.common.service import (
@@ -15,8 +25,31 @@ from services.common.service import (
     watch_control,
 )
 from services.common.weights_auth import secret_problem
-from services.trainer.service import TrainerService
+from services.contracts.config import TandemConfig
+from services.contracts.streams import Streams
 from services.training.backends import make_policy
+
+AFTER_FIRST_TURN_ENV = "TANDEM_TRAINER_AFTER_FIRST_TURN"
+FIRST_TURN_WAIT_S = 60.0
+
+
+async def after_first_turn(cfg: TandemConfig, agent: str, log: logging.Logger) -> None:
+    """Wait (at most ``FIRST_TURN_WAIT_S``) until the agent's turns stream has an entry, when asked to."""
+    if os.environ.get(AFTER_FIRST_TURN_ENV) != "1":
+        return
+    stream, deadline = Streams(cfg.run.name).turns(agent), time.monotonic() + FIRST_TURN_WAIT_S
+    client = aioredis.from_url(cfg.redis_url)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if await client.xlen(stream):
+                    return
+            except (aioredis.ConnectionError, OSError, TimeoutError):
+                pass  # Redis starting or restarting: the wait goes on
+            await asyncio.sleep(0.1)
+        log.info("no turn for %s after %.0fs; starting anyway", agent, FIRST_TURN_WAIT_S)
+    finally:
+        await client.aclose()
 
 
 async def main_async(config: str, agent: str) -> int:
@@ -26,6 +59,9 @@ async def main_async(config: str, agent: str) -> int:
         log.error("%s", no_secret)
         return 2
     acfg = cfg.agents[agent]
+    await after_first_turn(cfg, agent, log)
+    from services.trainer.service import TrainerService  # torch: only now
+
     try:
         policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
     except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: name the field, stop
