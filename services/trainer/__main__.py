@@ -40,13 +40,12 @@ async def after_first_turn(cfg: TandemConfig, agent: str, log: logging.Logger) -
     stream, deadline = Streams(cfg.run.name).turns(agent), time.monotonic() + FIRST_TURN_WAIT_S
     client = aioredis.from_url(cfg.redis_url)
     try:
-        while time.monotonic() < deadline:
-            try:
-                if await client.xlen(stream):
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            try:  # from id 0: an entry already there answers at once, else Redis wakes us on the first one
+                if await client.xread({stream: "0"}, count=1, block=left_ms):
                     return
             except (aioredis.ConnectionError, OSError, TimeoutError):
-                pass  # Redis starting or restarting: the wait goes on
-            await asyncio.sleep(0.1)
+                await asyncio.sleep(0.2)  # Redis starting or restarting: the wait goes on
         log.info("no turn for %s after %.0fs; starting anyway", agent, FIRST_TURN_WAIT_S)
     finally:
         await client.aclose()

@@ -31,9 +31,10 @@ def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: 
     return torch.tensor(out, dtype=torch.float32)
 
 
-# Past this many logits a pass is cut into row chunks, each recomputed in the backward pass (activation
-# checkpointing) instead of keeping its float32 copies: a 151,936-token vocabulary makes the full-batch float32
-# log-softmax and entropy tens of GB (README, "On one GPU"). Each row is computed exactly as without chunks.
+# Past this many logits a pass is cut into chunks of rows instead of keeping float32 copies of the whole: a
+# 151,936-token vocabulary makes the full-batch float32 log-softmax and entropy tens of GB (README, "On one
+# GPU"). Token logprobs write their gradient chunk by chunk (``_ChunkedLogprobs``); an entropy with a gradient
+# recomputes each chunk in the backward pass. Each row is computed exactly as without chunks.
 CHUNK_LOGITS = 2**25
 
 

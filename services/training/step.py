@@ -100,7 +100,8 @@ class TrainingStep(ABC):
         start = time.perf_counter()
         plan = self.algo.prepare(samples, self.weight_version)
         rows = [self.rows(mb) for mb in plan.minibatches]
-        batches = [pad_batch([plan.samples[i] for i in r], self.pad_id) for r in rows]
+        batches = [{k: v.to(self.device) for k, v in pad_batch([plan.samples[i] for i in r], self.pad_id).items()}
+                   for r in rows]  # on the device once, for every pass over them
         none: list[torch.Tensor | None] = [None] * len(batches)
         with torch.no_grad(), autocast(self.device, self.precision):
             prox = [self.old_logprobs(b, reference=False) for b in batches] if self.algo.needs_prox(plan) else none

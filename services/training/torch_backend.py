@@ -76,10 +76,9 @@ class TorchPolicy(TrainingStep):
     # -- forward passes ------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = (model or self.model)(input_ids=batch["input_ids"].to(self.device),
-                                    attention_mask=batch["attention_mask"].to(self.device))
+        out = (model or self.model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         logits = out.logits[:, :-1]
-        logp = token_logprobs(logits, batch["targets"].to(self.device), self.temperature)
+        logp = token_logprobs(logits, batch["targets"], self.temperature)
         if not entropy:
             return logp, None
         if self.algo.needs_entropy_grad:
@@ -104,9 +103,8 @@ class TorchPolicy(TrainingStep):
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
                  ref: torch.Tensor | None) -> Stats:
         logp, ent = self.forward(batch, entropy=True)
-        dev = logp.device
-        x = make_inputs(self.cfg, logp, batch["old_logp"].to(dev), batch["mask"].to(dev),
-                        plan.advantages[rows].to(dev), plan.stale[rows].to(dev), prox, ref, ent)
+        x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], plan.advantages[rows].to(self.device),
+                        plan.stale[rows].to(self.device), prox, ref, ent)
         loss, stats = self.algo.loss(x)
         loss.backward()
         return stats
