@@ -139,6 +139,11 @@ def wipe_run(cfg: TandemConfig) -> None:
         clear_run_keys(cfg.redis_url, cfg.run.name)
 
 
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
+
+
 @dataclass
 class RedisProcess(Supervised):
     """The embedded Valkey under supervision: restarted on the same port, password and AOF, by a thread of its
@@ -147,12 +152,12 @@ class RedisProcess(Supervised):
     Valkey with the launcher fires when the *thread* that started it exits."""
 
     server: EmbeddedRedis | None = None
-    busy: threading.Event = field(default_factory=threading.Event)  # a restart is under way
+    idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))  # cleared while restarting
     requests: queue.Queue[None] = field(default_factory=queue.Queue)
     worker: threading.Thread | None = None
 
     def failed(self) -> bool:
-        if self.busy.is_set():
+        if not self.idle.is_set():
             return False  # a restart under way: it ends answering, or dead (then this is failed again)
         return self.server is not None and not self.server.alive()
 
@@ -163,7 +168,7 @@ class RedisProcess(Supervised):
         if self.worker is None or not self.worker.is_alive():
             self.worker = threading.Thread(target=self._serve, name="valkey-restarts", daemon=True)
             self.worker.start()
-        self.busy.set()
+        self.idle.clear()
         self.requests.put(None)
 
     def _serve(self) -> None:
@@ -175,13 +180,11 @@ class RedisProcess(Supervised):
             except Exception as exc:  # it did not come up: the next supervision counts another death
                 log.warning("the embedded Redis did not come back: %s", exc)
             finally:
-                self.busy.clear()
+                self.idle.set()
 
     def join(self, timeout: float = 60.0) -> None:
         """Wait for a restart under way to end."""
-        deadline = time.monotonic() + timeout
-        while self.busy.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.idle.wait(timeout)
 
 
 class EngineRestarts:
