@@ -31,6 +31,7 @@ from services.training.backends import make_policy
 
 AFTER_FIRST_TURN_ENV = "TANDEM_TRAINER_AFTER_FIRST_TURN"
 FIRST_TURN_WAIT_S = 60.0
+BLOCK_MS = 1000
 
 
 async def after_first_turn(cfg: TandemConfig, agent: str, log: logging.Logger) -> None:
@@ -41,9 +42,12 @@ async def after_first_turn(cfg: TandemConfig, agent: str, log: logging.Logger) -
     client = aioredis.from_url(cfg.redis_url)
     try:
         while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            try:  # from id 0: an entry already there answers at once, else Redis wakes us on the first one
-                if await client.xread({stream: "0"}, count=1, block=left_ms):
+            try:  # from id 0: an entry already there answers at once, else Redis wakes us on the first one;
+                # blocks of at most a second stay inside the client's read timeout
+                if await client.xread({stream: "0"}, count=1, block=min(left_ms, BLOCK_MS)):
                     return
+            except aioredis.TimeoutError:
+                continue
             except (aioredis.ConnectionError, OSError, TimeoutError):
                 await asyncio.sleep(0.2)  # Redis starting or restarting: the wait goes on
         log.info("no turn for %s after %.0fs; starting anyway", agent, FIRST_TURN_WAIT_S)
