@@ -21,11 +21,20 @@ entry by more than ``grace_s`` are removed. Why that is safe:
 
 A stream that is never trimmed (``run.trim_interval_s: 0``) keeps every id, exactly as it keeps every entry.
 A done set left as a plain set by older code is converted once (``migrate``), its ids scored "now".
+
+Which deliveries are checked (``services/common/bus.py``): a copy of a message id only reaches a stream as a
+redelivery (re-read pending, ``XAUTOCLAIM``) or as a publish its producer knows is another (a retried ``XADD``,
+or an id that producer published before: ``RecentIds``); those copies carry the ``again`` field
+(``bus_adds.AGAIN``), and only they, redeliveries and ids this consumer has handled lately (``RecentIds``) pay
+the done-set check. A first delivery of an id published once cannot have been handled, so it skips the round
+trip.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -33,6 +42,26 @@ from redis.exceptions import ResponseError
 from services.common.reconnect import RECONNECT_WINDOW_S
 
 PRUNE_EVERY_S = 30.0
+RECENT_IDS = 4096  # message ids a producer or consumer remembers (about 0.5 MB)
+
+
+class RecentIds:
+    """The last ``size`` ids added, oldest forgotten first: what a Bus published lately, or what one consume
+    loop has handled (and recorded in its done set) lately. Bounded, so memory stays flat in a long run."""
+
+    def __init__(self, size: int = RECENT_IDS) -> None:
+        self.size = size
+        self.ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, msg_id: str) -> bool:
+        return msg_id in self.ids
+
+    def add(self, msg_ids: Iterable[str]) -> None:
+        for msg_id in msg_ids:
+            self.ids[msg_id] = None
+            self.ids.move_to_end(msg_id)
+        while len(self.ids) > self.size:
+            self.ids.popitem(last=False)
 
 
 async def trim_acknowledged(redis: Any, stream: str) -> int:
