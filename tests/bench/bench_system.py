@@ -5,7 +5,9 @@ docs/architecture.md §1 (topology), §4 (sync and staleness), §9 (one laptop).
 - ``step_time_ratio_vs_in_process`` (goal <= 2.0): seconds per training step of ``configs/demo.yaml``
   run through every service (``tandem up``) over seconds per step of the same algorithm,
   hyper-parameters, group layout and episode path in one process (``tests/bench/rl_sweep.py``:
-  services/play's episode loop, in-process engines, ``TorchPolicy``). A system step is both agents'
+  services/play's episode loop, in-process engines, ``TorchPolicy``): the demo's matchups (half its games
+  against scripted players) and KL term, and as many groups a step as give each agent its
+  ``groups_per_batch`` (16 with the demo's four matchups, each agent in two). A system step is both agents'
   next version: per step k, the later of the two agents' ``TrainStep`` times (``metrics.json``); the
   figure is the mean interval from step 1 to the last, so start-up and the first step's warm-up are
   out. The in-process figure is the median of its steps after the first (its per-step log).
@@ -134,17 +136,25 @@ def run_up(tmp: Path, model: Path, name: str, staleness: int | None, device: str
 
 
 def in_process_step_s(model: Path) -> float:
-    """rl_sweep with the demo's hyper-parameters: the median step time after the first."""
+    """rl_sweep with the demo's hyper-parameters, matchups (scripted opponents) and KL term: the median step time
+    after the first."""
     from tests.bench import rl_sweep
 
     demo = yaml.safe_load(DEMO.read_text())
     a = demo["agents"]["A"]
     algo = a["algorithm"]
+    matchups = demo["environment"].get("matchups", [])
+    # a system step trains each agent on groups_per_batch groups: with matchups, only those A plays in count for A
+    share = sum("A" in m.values() for m in matchups) / len(matchups) if matchups else 1.0
     args = argparse.Namespace(model=str(model), steps=STEPS, G=demo["environment"]["group_size"],
-                              groups=a["groups_per_batch"], lr=algo["lr"], clip=algo["clip_eps_low"],
+                              groups=round(a["groups_per_batch"] / share), lr=algo["lr"], clip=algo["clip_eps_low"],
                               clip_high=algo["clip_eps_high"], epochs=algo["epochs"],
                               minibatches=algo["minibatches"], max_grad_norm=1.0, no_std=False, opening_moves=0,
-                              eval_games=2, eval_every=10**6, eval_temps=["1"])
+                              eval_games=2, eval_every=10**6, eval_temps=["1"],
+                              matchups=[",".join(f"{role}={who}" for role, who in m.items())
+                                        for m in demo["environment"].get("matchups", [])],
+                              kl_coef=algo.get("kl_coef", 0.0), entropy_coef=algo.get("entropy_coef", 0.0),
+                              temperature=a["sampling"].get("temperature", 1.0))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         asyncio.run(rl_sweep.run(args, seed=0))
