@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.devices import autocast, resolve
+from services.common.devices import autocast, resolve, restore_rng, rng_states
 from services.contracts.config import AgentConfig, ConfigError, parse_config
 from services.inference.generator import Engine
 from services.inference.request import GenRequest
@@ -73,3 +73,15 @@ def test_bf16_autocast_trains_float32_weights(tiny_model_dir: Path) -> None:
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
     with autocast(torch.device("cpu"), "float32"):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_a_resume_restores_the_generators_it_saved() -> None:
+    """torch's CPU generator, and every GPU's where there are GPUs (a state from before GPUs were saved loads too)."""
+    torch.manual_seed(7)
+    state = rng_states()
+    assert (state["cuda_rng"] is None) == (not torch.cuda.is_available())
+    drawn = torch.rand(4)
+    restore_rng(state)
+    assert torch.equal(torch.rand(4), drawn)
+    restore_rng({"torch_rng": state["torch_rng"]})  # written before the GPUs' states were kept
+    assert torch.equal(torch.rand(4), drawn)

@@ -36,3 +36,17 @@ def autocast(device: torch.device, dtype: str) -> Any:
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype_of(dtype))
+
+
+def rng_states() -> dict[str, Any]:
+    """torch's CPU generator and, where torch sees GPUs, every GPU's: what a trainer's resume restores."""
+    return {"torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back ``rng_states``; the GPUs' only where as many GPUs are seen as were saved (else they start fresh)."""
+    torch.set_rng_state(state["torch_rng"])
+    cuda = state.get("cuda_rng")  # (absent in states written before it was saved)
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)

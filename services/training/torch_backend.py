@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.devices import resolve
+from services.common.devices import resolve, restore_rng, rng_states
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
@@ -134,7 +134,7 @@ class TorchPolicy(TrainingStep):
         weights = lora().adapter_state(self.model) if self.acfg.lora is not None else self.model.state_dict()
         torch.save({"version": version, "algorithm": self.cfg.name, "lora": self.acfg.lora is not None,
                     "model": weights, "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "scheduler": self.scheduler.state_dict(), **rng_states(),
                     "python_rng": random.getstate()}, tmp / STATE_FILE)
         replace_dir(tmp, path)
         return path
@@ -150,7 +150,7 @@ class TorchPolicy(TrainingStep):
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        restore_rng(state)
         random.setstate(state["python_rng"])
         self.weight_version = int(state["version"])
         return self.weight_version

@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, get_cuda_rng_tracker
 from transformers import AutoConfig, AutoTokenizer
 
+from services.common.devices import restore_rng, rng_states
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
@@ -291,7 +292,7 @@ class MegatronPolicy(TrainingStep):
         if ps.get_data_parallel_rank() == 0:  # data-parallel replicas hold the same state
             torch.save({"version": version, "algorithm": self.cfg.name, "model": self.model.state_dict(),
                         "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                        **rng_states(), "python_rng": random.getstate(),
                         "tracker_rng": get_cuda_rng_tracker().get_states()}, self._state_file(tmp))
         self._barrier()
         if self.rank == 0:
@@ -305,7 +306,7 @@ class MegatronPolicy(TrainingStep):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        restore_rng(state)
         random.setstate(state["python_rng"])
         get_cuda_rng_tracker().set_states(state["tracker_rng"])
         self.weight_version = int(state["version"])
