@@ -203,3 +203,12 @@ def _dp_worker(out: Path, model_dir: Path) -> None:
 
 if __name__ == "__main__":
     _dp_worker(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU shows")
+def test_megatron_follows_trainer_device(tiny_model_dir: Path) -> None:
+    """``trainer.device: cuda`` without a GPU stops the megatron backend at start, naming the field (it used to
+    pick the device from torch alone)."""
+    acfg = AgentConfig(model_path=str(tiny_model_dir), backend="megatron", trainer={"device": "cuda"})
+    with pytest.raises(ConfigError, match=r"trainer\.device: 'cuda' was asked for, but torch sees no GPU"):
+        make_policy(acfg, 1.0)

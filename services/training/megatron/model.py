@@ -129,12 +129,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> bool:
-    """Start torch.distributed (torchrun's env, else a world of one) and megatron's groups.
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, on_gpu: bool | None = None) -> bool:
+    """Start torch.distributed (torchrun's env, else a world of one) and megatron's groups, on the GPUs
+    (nccl) when ``on_gpu`` (default: whenever torch sees one), else on the CPU over gloo.
 
-    Returns True on GPU. On CPU the compat layer is enabled here and nowhere else.
+    Returns ``on_gpu``. On CPU the compat layer is enabled here and nowhere else.
     """
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     if not torch.distributed.is_initialized():
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

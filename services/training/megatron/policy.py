@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, get_cuda_rng_tracker
 from transformers import AutoConfig, AutoTokenizer
 
-from services.common.devices import restore_rng, rng_states
+from services.common.devices import resolve, restore_rng, rng_states
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
@@ -75,8 +75,9 @@ class MegatronPolicy(TrainingStep):
         self.hf_config = AutoConfig.from_pretrained(acfg.model_path)
         self.arch = arch_of(self.hf_config)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_layout(lay, self.arch, world, torch.cuda.is_available())
-        self.on_gpu = init_parallel(lay.tensor_parallel, lay.pipeline_parallel, acfg.seed)
+        on_gpu = resolve(acfg.trainer.device, "trainer.device").type == "cuda"  # (cuda without a GPU: refused)
+        check_layout(lay, self.arch, world, on_gpu)
+        self.on_gpu = init_parallel(lay.tensor_parallel, lay.pipeline_parallel, acfg.seed, on_gpu)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.precision = acfg.trainer.dtype  # bf16 autocast of the passes; weights and AdamW stay float32
         random.seed(acfg.seed)
