@@ -11,7 +11,12 @@ Before training and every ``--eval-every`` steps the model plays the held-out ev
 (services/play, seeded, temperature 1): mean guesses of the games that found the number ± SE, the
 rate of games not found within the turn limit, format failures per game.
 
-    python tests/bench/guess_sweep.py --model models/demo-guess --steps 30 --seeds 0 1 2 --out guess.json
+``--env KEY=VALUE`` changes the training games' params (the evaluation keeps the demo's), e.g. the
+shaping ``info_shaping=0.2``; ``--kl`` adds the KL term to the warm start. The demo's recipe
+(configs/guess_demo.yaml; README, "Guess the number"):
+
+    python tests/bench/guess_sweep.py --model models/demo-guess --steps 60 --groups 8 --lr 3e-4 --kl 0.1
+        --env info_shaping=0.2 --eval-every 20 --seeds 0 1 2 --out guess.json
     python tests/bench/guess_sweep.py summary guess.json    # start vs end, mean ± SE across seeds
 """
 
