@@ -13,7 +13,7 @@ from services.envs.base import Environment, EnvParamError, EnvParams, StepResult
 from services.envs.code_tasks import Code, CodeCritic, extract_program
 from services.envs.debate import Debate
 from services.envs.doctor_patient import CASES, DoctorPatient, judge_answer
-from services.envs.guess_number import GuessNumber
+from services.envs.guess_number import GuessNumber, bits_shortfall, expected_bits
 from services.envs.math_tasks import Math, MathCritic
 from services.envs.registry import BUILTINS, check_environment_config, describe_environments, load_environment
 from services.envs.textarena_adapter import TextArena
@@ -59,6 +59,35 @@ def test_guess_number_feedback_and_malformed_reply() -> None:
     assert env.observation("guesser").startswith("Reply with one integer")
     assert step(env, "99").turn_rewards["guesser"] == pytest.approx(-0.25)  # out of range: malformed too
     assert step(env, f" {target}\n").rewards == {"guesser": 1.0}
+
+
+def test_guess_number_expected_bits_and_shortfall() -> None:
+    assert expected_bits(1, 3, 2) == pytest.approx(1.5849625)  # three equally likely answers: log2 3
+    assert expected_bits(1, 2, 1) == pytest.approx(1.0)
+    assert expected_bits(5, 5, 5) == 0.0 and expected_bits(1, 10, 11) == 0.0 and expected_bits(3, 2, 3) == 0.0
+    assert bits_shortfall(1, 100, 50) == 0.0 and bits_shortfall(1, 100, 51) == pytest.approx(0.0, abs=1e-3)
+    assert bits_shortfall(1, 100, 1) == pytest.approx(expected_bits(1, 100, 50) - expected_bits(1, 100, 1))
+    assert 0.9 < bits_shortfall(1, 100, 1) < 1.1  # an end of a wide range: about a bit lost
+    assert bits_shortfall(51, 100, 20) == pytest.approx(expected_bits(51, 100, 75))  # already excluded: all lost
+    shortfalls = [bits_shortfall(1, 100, g) for g in range(1, 51)]
+    assert shortfalls == sorted(shortfalls, reverse=True)  # the nearer the midpoint, the less lost
+
+
+def test_guess_number_info_shaping_pays_per_turn_by_the_bits_lost() -> None:
+    params = {"low": 1, "high": 100, "max_turns": 16, "info_shaping": 0.5}
+    env = GuessNumber(params, 4)
+    result, turns = play(env, {"guesser": "bisect"})
+    assert result.rewards == {"guesser": 1.0}
+    assert turns["guesser"] == pytest.approx(-0.05 * env.turns)  # binary search loses no bits
+    env = GuessNumber(params, 4)
+    guess = 1 if env.target != 1 else 100
+    first = step(env, str(guess)).turn_rewards["guesser"]
+    assert first == pytest.approx(-0.05 - 0.5 * bits_shortfall(1, 100, guess))
+    best = expected_bits(env.lo, env.hi, (env.lo + env.hi) // 2)
+    assert step(env, "x").turn_rewards["guesser"] == pytest.approx(-0.25 - 0.5 * best)  # malformed: all bits lost
+    assert GuessNumber({"low": 1, "high": 100}, 4).params.info_shaping == 0.0  # off by default
+    with pytest.raises(EnvParamError, match="info_shaping"):
+        GuessNumber({"info_shaping": -1}, 0)
 
 
 def test_guess_number_runs_out_of_turns() -> None:

@@ -24,11 +24,13 @@ from services.coordinator.api import create_app
 from services.coordinator.report import eval_curves, write_report
 from services.coordinator.scheduler import Coordinator
 from services.coordinator.train_play import PlayCounts, recent
+from services.envs.guess_number import GuessNumber
 from services.envs.registry import check_environment_config
 from services.envs.tictactoe import TicTacToe, best_moves
 from services.inference.generator import Engine
 from services.launcher.up import status_table
-from services.play.evaluation import evaluate_against, fmt_report, mean_se, wilson
+from services.play.episode import EpisodeResult
+from services.play.evaluation import evaluate_against, fmt_report, mean_se, score, summary_means, wilson
 from services.play.local import EnginePlayers
 
 
@@ -79,6 +81,27 @@ def test_the_wilson_interval_is_honest_where_the_standard_error_is_zero() -> Non
     assert lo < 0.3 < hi and (hi - lo) / 2 == pytest.approx(1.96 * math.sqrt(0.21 / 100), rel=0.05)
     assert wilson(None, 0) is None and wilson(0.5, 0) is None
     assert fmt_report(lost) == "0.000 ± 0.000 [0.000, 0.019] (w/d/l 0/0/200, illegal 0.000 [0.000, 0.019])"
+
+
+def test_report_means_the_environments_episode_summaries() -> None:
+    """A shaped reward is not the true score: the report also means the env's summaries (turns, found)."""
+    results = []
+    for seed in range(6):
+        env, rng, total = GuessNumber({"high": 16, "max_turns": 3, "info_shaping": 1.0}, seed), random.Random(0), 0.0
+        while True:
+            step = asyncio.run(env.step("guesser", env.scripted_reply("guesser", "random", rng)))
+            total += step.turn_rewards["guesser"] + step.rewards.get("guesser", 0.0)
+            if step.done:
+                break
+        results.append(("guesser", EpisodeResult(f"e{seed}", "g", {}, {"guesser": total}, [], {}, env.summary(),
+                                                 "eval")))
+    report = score(results, ["guesser"], "bisect")
+    summaries = [r.summary for _, r in results]
+    assert report["summary_means"] == {"target": pytest.approx(statistics.mean(s["target"] for s in summaries)),
+                                       "found": pytest.approx(sum(s["found"] for s in summaries) / 6),
+                                       "turns": pytest.approx(statistics.mean(s["turns"] for s in summaries)),
+                                       "malformed": 0.0}
+    assert summary_means([]) == {} and summary_means([{"a": 1, "b": "x"}, {"a": 3}]) == {"a": 2.0}
 
 
 def test_report_counts_illegal_replies_per_episode(tiny_model_dir: Path) -> None:

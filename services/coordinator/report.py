@@ -3,9 +3,10 @@
 ``summary.json`` holds per agent the training figures, the illegal or format-failure rate of its
 training episodes (overall and per weight version, train_play.py) and ``eval_curves``: per
 opponent, one point per evaluation (start, every n steps, end) with the score, its standard
-error and 95 % Wilson interval, wins/draws/losses and the illegal rate (evals.py). ``rewards.png`` plots the training
-reward, the training illegal rate, the eval scores (± standard error) and the train-step metrics,
-all against the training step (weight version).
+error and 95 % Wilson interval, wins/draws/losses, the illegal rate and the means of the environment's
+episode summaries (``summary_means``, e.g. guess_number's turns and found rate; evals.py).
+``rewards.png`` plots the training reward, the training illegal rate, the eval scores (± standard
+error) and the train-step metrics, all against the training step (weight version).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from services.coordinator.state import RunState
 from services.coordinator.train_play import curve, totals
 
 CURVE_KEYS = ("score", "score_se", "score_ci95", "wins", "draws", "losses", "episodes", "illegal_rate",
-              "illegal_rate_se", "illegal_rate_ci95", "illegal_reply_rate")
+              "illegal_rate_se", "illegal_rate_ci95", "illegal_reply_rate", "summary_means")
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -17,7 +17,9 @@ time, in 8.9 guesses (binary search: 5.8, at most 7). Measured at the defaults (
 2 layers, 1500 games x 4 epochs; 200 held-out games at temperature 1): found within 16 turns 92 %,
 9.35 guesses when found, 0.4 % of replies malformed (hidden 64: found 68.5 %, 9.64, 2.7 %: it uses
 the range less well). Reinforcement learning has to find that guesses near the midpoint pay
-(``tests/bench/guess_sweep.py`` measures it; ``configs/guess_demo.yaml`` runs it with ``tandem up``).
+(``tests/bench/guess_sweep.py`` measures it; ``configs/guess_demo.yaml`` runs it with ``tandem up``):
+GRPO with the environment's shaping ``info_shaping`` and a KL term to this start brings the mean
+guesses when found from 9.35 to 8.3 in 60 steps on 3 seeds (README, "Guess the number").
 
 CLI: ``tandem init-demo --task guess models/demo-guess`` or
 ``python -m services.demo.language OUT_DIR [--seed N] [--games N] [--epochs N]``.

@@ -9,6 +9,14 @@ Rewards (role ``guesser``)
 * ``-turn_cost`` per guess (per-turn reward), so fewer guesses score more;
 * ``-format_penalty`` per reply that is not an integer in range; the episode
   goes on (the reply costs a turn).
+* ``-info_shaping`` x the guess's shortfall in expected information (``bits_shortfall``), a shaping
+  term, off by default: the bits a best guess (a midpoint of the range the answers allow) is expected
+  to learn, minus those this guess is expected to learn, the hidden number taken as uniform over that
+  range. Binary search's guesses pay 0, a guess at an end of a wide range about 1 bit, a guess the
+  answers already exclude, or a malformed reply, the whole of a best guess's bits (so that shaping
+  never makes a malformed reply the cheaper miss). It depends only on the guess and the range,
+  not on the hidden number, so it tells a guess's worth with no luck in it; the true score stays the
+  number of guesses.
 After ``max_turns`` replies without finding it the episode ends with no bonus.
 With ``show_range`` the feedback also states the range the answers so far allow
 ("50 is too low; 51-100."), so a small model need not track it over the whole history; with
@@ -21,6 +29,7 @@ Scripted players: ``bisect`` (binary search: optimal) and ``random``.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any, ClassVar
@@ -39,6 +48,9 @@ class GuessNumberParams(EnvParams):
     max_turns: int = Field(6, ge=1, le=100)
     turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="per guess")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0, description="per reply that is not an integer in range")
+    info_shaping: float = Field(0.0, ge=0.0, le=10.0, description="shaping, per bit: each in-range guess "
+                                "pays -info_shaping x its shortfall in expected information from a midpoint "
+                                "guess's (bits_shortfall); 0: off")
     show_range: bool = Field(False, description="the feedback also states the range the answers so far allow")
     pad_range: bool = Field(False, description="with show_range: both ends of the range zero-padded to the "
                             "width of high (51-100 -> 051-100)")
@@ -54,10 +66,31 @@ class GuessNumberParams(EnvParams):
         return high
 
 
+def expected_bits(lo: int, hi: int, guess: int) -> float:
+    """The information (bits) a guess is expected to give when the hidden number is uniform on [lo, hi]:
+    the entropy of the answer (too low, too high, found); 0 for a guess outside [lo, hi] (its answer is
+    known) or an empty range."""
+    width = hi - lo + 1
+    if width < 1 or not lo <= guess <= hi:
+        return 0.0
+    counts = (guess - lo, 1, hi - guess)
+    return -sum(c / width * math.log2(c / width) for c in counts if c)
+
+
+def bits_shortfall(lo: int, hi: int, guess: int) -> float:
+    """How many bits less than a midpoint guess of [lo, hi] ``guess`` is expected to give (>= 0; 0 at a midpoint)."""
+    if hi < lo:
+        return 0.0
+    best = expected_bits(lo, hi, (lo + hi) // 2)
+    return max(best - expected_bits(lo, hi, guess), 0.0)
+
+
 class GuessNumber(Environment[GuessNumberParams]):
     roles: ClassVar[tuple[str, ...]] = ("guesser",)
     description: ClassVar[str] = ("Guess a hidden integer; the answerer says too high/too low. +1 found, "
-                                  "-turn_cost per guess, -format_penalty per non-integer reply.")
+                                  "-turn_cost per guess, -format_penalty per non-integer reply, optional "
+                                  "shaping -info_shaping per bit a guess is expected to learn less than a "
+                                  "midpoint guess.")
     scripted_players: ClassVar[tuple[str, ...]] = ("bisect", "random")
     env_name: ClassVar[str] = "guess_number"
 
@@ -86,12 +119,14 @@ class GuessNumber(Environment[GuessNumberParams]):
         turn = {"guesser": -self.params.turn_cost}
         if m is None or not self.low <= int(m.group(1)) <= self.high:
             self.malformed += 1
-            turn["guesser"] -= self.params.format_penalty
+            turn["guesser"] -= self.params.format_penalty + self.params.info_shaping * self.best_bits()
             self.feedback = f"Reply with one integer, {self.low}-{self.high}."
             info: dict[str, Any] = {"malformed": reply[:40]}
         else:
             guess = int(m.group(1))
             info = {"guess": guess}
+            if self.params.info_shaping:
+                turn["guesser"] -= self.params.info_shaping * bits_shortfall(self.lo, self.hi, guess)
             if guess == self.target:
                 self.found = True
                 return StepResult(done=True, rewards={"guesser": 1.0}, turn_rewards=turn, info=info)
@@ -105,6 +140,10 @@ class GuessNumber(Environment[GuessNumberParams]):
         if self.turns >= self.params.max_turns:
             return StepResult(done=True, rewards={"guesser": 0.0}, turn_rewards=turn, info=info)
         return StepResult(done=False, turn_rewards=turn, info=info)
+
+    def best_bits(self) -> float:
+        """The bits a midpoint guess of the range left is expected to learn: what a malformed reply forgoes."""
+        return expected_bits(self.lo, self.hi, (self.lo + self.hi) // 2)
 
     def range_text(self) -> str:
         """The range the answers so far allow, as the feedback states it ("51-100", "051-100" padded)."""

@@ -109,7 +109,9 @@ def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: 
     """The one evaluation report (in-run and ``tandem eval`` alike), from ``play_eval``'s results: the score
     (win 1, draw 1/2, loss 0) with its standard error and 95 % Wilson interval, wins/draws/losses, the illegal
     or format-failure rate (episodes in which the player's reply was illegal or malformed, episode.py) with
-    its standard error and Wilson interval and per reply, the mean reward and the per-role scores."""
+    its standard error and Wilson interval and per reply, the mean reward, the per-role scores and
+    ``summary_means``, the mean of each number (or yes/no) of the environment's episode summaries (for
+    guess_number: ``found``, ``turns``, ``malformed``: the true score when the reward is shaped)."""
     counts = {"win": 0, "draw": 0, "loss": 0}
     per_role: dict[str, list[float]] = {r: [] for r in roles}
     rewards: list[float] = []
@@ -132,7 +134,16 @@ def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: 
             "illegal_episodes": int(sum(invalid)),
             "illegal_reply_rate": invalid_replies / replies if replies else None,
             "mean_reward": sum(rewards) / max(len(rewards), 1),
-            "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()}}
+            "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()},
+            "summary_means": summary_means([r.summary for _, r in results])}
+
+
+def summary_means(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """The mean over episodes of each number or yes/no of the environment's summaries that every one of
+    them has (True counts 1)."""
+    keys = [k for k, v in (summaries[0] if summaries else {}).items() if isinstance(v, int | float)]
+    common = [k for k in keys if all(isinstance(s.get(k), int | float) for s in summaries)]
+    return {k: sum(float(s[k]) for s in summaries) / len(summaries) for k in common}
 
 
 def opponent_label(opponent: str | dict[str, str]) -> str:
