@@ -10,7 +10,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from services.contracts.config import parse_config
+from services.contracts.config import TRAINER_AFTER_FIRST_TURN_ENV, parse_config
 from services.contracts.streams import Streams
 from services.trainer import __main__ as trainer_main
 
@@ -26,7 +26,7 @@ async def test_the_trainer_waits_for_its_agents_first_turn(redis_url: str, monke
     client = aioredis.from_url(redis_url)
     stream = Streams("first-turn").turns("A")
     await client.delete(stream)
-    monkeypatch.setenv(trainer_main.AFTER_FIRST_TURN_ENV, "1")
+    monkeypatch.setenv(TRAINER_AFTER_FIRST_TURN_ENV, "1")
     waiting = asyncio.create_task(trainer_main.after_first_turn(cfg, "A", log))
     await asyncio.sleep(0.5)
     assert not waiting.done()  # no turn yet
@@ -39,9 +39,9 @@ async def test_the_trainer_waits_for_its_agents_first_turn(redis_url: str, monke
 async def test_without_the_launchers_word_or_past_the_limit_it_starts(redis_url: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, log = config(redis_url), logging.getLogger("test")
-    monkeypatch.delenv(trainer_main.AFTER_FIRST_TURN_ENV, raising=False)
+    monkeypatch.delenv(TRAINER_AFTER_FIRST_TURN_ENV, raising=False)
     await asyncio.wait_for(trainer_main.after_first_turn(cfg, "A", log), 1)  # not under tandem up: no wait
-    monkeypatch.setenv(trainer_main.AFTER_FIRST_TURN_ENV, "1")
+    monkeypatch.setenv(TRAINER_AFTER_FIRST_TURN_ENV, "1")
     monkeypatch.setattr(trainer_main, "FIRST_TURN_WAIT_S", 0.3)
     started = time.monotonic()
     await asyncio.wait_for(trainer_main.after_first_turn(cfg, "A", log), 5)  # no turn ever: it gives up

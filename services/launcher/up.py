@@ -31,7 +31,7 @@ from rich.table import Table
 from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
-from services.contracts.config import AgentConfig, TandemConfig
+from services.contracts.config import TRAINER_AFTER_FIRST_TURN_ENV, AgentConfig, TandemConfig
 from services.contracts.streams import Streams
 from services.launcher.processes import (
     LOST_EPISODES,
@@ -259,7 +259,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
 
     redis = None
     env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir),  # weights signing: by environment, not Redis
-                           "TANDEM_TRAINER_AFTER_FIRST_TURN": "1"}  # trainers start once the engines serve
+                           TRAINER_AFTER_FIRST_TURN_ENV: "1"}  # trainers start once the engines serve
     redis_url = cfg.redis_url
     if not cfg.redis_url:
         redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,

@@ -1,6 +1,6 @@
 """Trainer entry point: ``python -m services.trainer --config C --agent A`` (the service: trainer/service.py).
 
-Under ``tandem up`` (``AFTER_FIRST_TURN_ENV`` set) the trainer imports torch and loads its model only once its
+Under ``tandem up`` (``TRAINER_AFTER_FIRST_TURN_ENV`` set) the trainer imports torch and loads its model only once its
 agent's first turn is on the turns stream (or after ``FIRST_TURN_WAIT_S``): on a small machine its start would
 otherwise compete for the CPU with the engines the first turn waits for, while the trainer is needed only once
 a batch is played (docs/architecture.md §9, Start-up).
@@ -25,18 +25,17 @@ from services.common.service import (
     watch_control,
 )
 from services.common.weights_auth import secret_problem
-from services.contracts.config import TandemConfig
+from services.contracts.config import TRAINER_AFTER_FIRST_TURN_ENV, TandemConfig
 from services.contracts.streams import Streams
 from services.training.backends import make_policy
 
-AFTER_FIRST_TURN_ENV = "TANDEM_TRAINER_AFTER_FIRST_TURN"
 FIRST_TURN_WAIT_S = 60.0
 BLOCK_MS = 1000
 
 
 async def after_first_turn(cfg: TandemConfig, agent: str, log: logging.Logger) -> None:
     """Wait (at most ``FIRST_TURN_WAIT_S``) until the agent's turns stream has an entry, when asked to."""
-    if os.environ.get(AFTER_FIRST_TURN_ENV) != "1":
+    if os.environ.get(TRAINER_AFTER_FIRST_TURN_ENV) != "1":
         return
     stream, deadline = Streams(cfg.run.name).turns(agent), time.monotonic() + FIRST_TURN_WAIT_S
     client = aioredis.from_url(cfg.redis_url)
