@@ -270,6 +270,28 @@ def test_preflight_names_fields_that_claim_one_port():
                                  "agents.A.engine_base_port and agents.B.engine_base_port: both use port 31011"]
 
 
+def test_a_port_left_in_time_wait_is_free_and_a_listening_one_is_not():
+    """A run just stopped leaves its API's connections in TIME_WAIT; ``--resume`` at once must not call the
+    port in use (the servers bind with SO_REUSEADDR), while a port a server listens on still is."""
+    import socket
+
+    from services.launcher.preflight import port_is_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    assert not port_is_free("127.0.0.1", port)  # listening
+    conn.close()  # the server's side closes first: it holds the port in TIME_WAIT
+    time.sleep(0.05)
+    client.close()
+    server.close()
+    assert port_is_free("127.0.0.1", port)
+
+
 # ---- run state: never wiped silently; --fresh wipes; --resume continues --------------------------------------------
 
 def _up(path: Path, *flags: str) -> subprocess.CompletedProcess:

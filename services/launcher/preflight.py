@@ -23,7 +23,10 @@ Mode = Literal["validate", "new", "resume", "fresh"]
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``port``: bound as the servers bind it (SO_REUSEADDR, as uvicorn and the
+    router do), so connections of a run just stopped, left in TIME_WAIT, do not count as the port in use."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
