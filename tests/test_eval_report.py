@@ -95,13 +95,15 @@ def test_report_means_the_environments_episode_summaries() -> None:
                 break
         results.append(("guesser", EpisodeResult(f"e{seed}", "g", {}, {"guesser": total}, [], {}, env.summary(),
                                                  "eval")))
-    report = score(results, ["guesser"], "bisect")
+    report = score(results, ["guesser"], "bisect", GuessNumber.summary_measures)
     summaries = [r.summary for _, r in results]
-    assert report["summary_means"] == {"target": pytest.approx(statistics.mean(s["target"] for s in summaries)),
-                                       "found": pytest.approx(sum(s["found"] for s in summaries) / 6),
+    assert report["summary_means"] == {"found": pytest.approx(sum(s["found"] for s in summaries) / 6),
                                        "turns": pytest.approx(statistics.mean(s["turns"] for s in summaries)),
-                                       "malformed": 0.0}
+                                       "malformed": 0.0}  # the hidden target is not a measure
+    assert score(results, ["guesser"], "bisect")["summary_means"]["target"] == pytest.approx(
+        statistics.mean(s["target"] for s in summaries))  # without measures: every number
     assert summary_means([]) == {} and summary_means([{"a": 1, "b": "x"}, {"a": 3}]) == {"a": 2.0}
+    assert summary_means([{"a": 1, "b": 2}, {"a": 3, "b": 4}], ("b",)) == {"b": 3.0}
 
 
 def test_report_counts_illegal_replies_per_episode(tiny_model_dir: Path) -> None:

@@ -130,6 +130,23 @@ def test_the_table_is_mean_and_standard_error_across_seeds(tmp_path: Path) -> No
     assert png.stat().st_size > 5000 and json.loads(js.read_text())["setups"]["co"]["rows"][0]["end"]["n"] == 3
 
 
+def test_the_table_carries_the_environments_episode_measures(tmp_path: Path) -> None:
+    """A shaped reward's score is not the task's: the sweep also means each eval's ``summary_means``."""
+    subs = plan(str(_base(tmp_path)), [0, 1], [], [parse_setup("co")], "sw")
+    for s, turns in zip(subs, (8.0, 9.0), strict=True):
+        summary = _summary(0.3, 0.5)
+        for ev, means in zip(summary["evals"], ({"turns": 10.0, "found": 0.9}, {"turns": turns, "found": 1.0}),
+                             strict=True):
+            ev["details"]["A"]["summary_means"] = means
+        s.run_dir.mkdir(parents=True)
+        (s.run_dir / "summary.json").write_text(json.dumps(summary))
+    row = aggregate(subs)["co"]["rows"][0]
+    turns = row["summary_means"]["turns"]
+    assert turns["start"]["mean"] == 10.0 and turns["end"]["mean"] == 8.5 and math.isclose(turns["end"]["se"], 0.5)
+    assert row["summary_means"]["found"]["end"] == {"mean": 1.0, "se": 0.0} and turns["n"] == 2
+    assert "| co | A | random | turns | 10.000 ± 0.000 | 8.500 ± 0.500 |" in markdown(aggregate(subs), "t")
+
+
 def test_mean_se_and_eval_shapes() -> None:
     assert mean_se([]) == (None, None, 0) and mean_se([0.5]) == (0.5, None, 1)
     assert mean_se([1.0, float("nan"), None, 3.0])[:2] == (2.0, 1.0)  # type: ignore[list-item]

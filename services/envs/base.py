@@ -49,6 +49,8 @@ class Environment(ABC, Generic[P]):
     params: P
     env_name: ClassVar[str] = ""
     render_format: ClassVar[str] = "text"  # what ``render`` returns: "text" or "html" (a fragment)
+    # the fields of ``summary()`` that evaluations average (``summary_means``); None: every number in it
+    summary_measures: ClassVar[tuple[str, ...] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """``class X(Environment[XParams])`` (or a generic base's ``[XParams]``): X's ``Params`` is XParams."""

@@ -93,6 +93,7 @@ class GuessNumber(Environment[GuessNumberParams]):
                                   "midpoint guess.")
     scripted_players: ClassVar[tuple[str, ...]] = ("bisect", "random")
     env_name: ClassVar[str] = "guess_number"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("found", "turns", "malformed")  # not the target
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)

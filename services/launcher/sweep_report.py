@@ -3,7 +3,9 @@
 Reads each sub-run's ``summary.json`` (the coordinator's report, docs/architecture.md §1). Per set-up,
 agent and eval opponent it gives the mean ± standard error across seeds (sample standard deviation
 / √n; none for one seed) of the start eval score, the final one, their difference and, where the
-summary has them, the eval and training illegal-move / format-failure rates. Writes ``sweep.md``,
+summary has them, the eval and training illegal-move / format-failure rates, and the start and final
+means of the environment's episode measures (an eval's ``summary_means``: for guess_number the found
+rate and the number of turns, the true score when the reward is shaped). Writes ``sweep.md``,
 ``sweep.json`` and ``sweep.png`` (eval score against the agent's training step, i.e. its weight
 version at the evaluation: mean per set-up and agent with a ±SE band) in the sweep's directory.
 """
@@ -76,7 +78,8 @@ def eval_points(summary: dict[str, Any], default_opponent: str = "eval") -> list
                 if isinstance(rep.get("score"), int | float):
                     points.append({"index": i, "label": ev.get("label"), "agent": agent, "opponent": opponent,
                                    "step": int(step or 0), "score": float(rep["score"]),
-                                   "illegal": _illegal(rep), "episodes": rep.get("episodes")})
+                                   "illegal": _illegal(rep), "episodes": rep.get("episodes"),
+                                   "means": rep.get("summary_means") or {}})
     return points
 
 
@@ -115,6 +118,8 @@ def aggregate(subs: list[SubRun]) -> dict[str, Any]:
             s["cells"][(agent, opponent)].append({"seed": sub.seed, "start": se["start"]["score"],
                                                   "end": se["end"]["score"], "end_step": se["end"]["step"],
                                                   "illegal": se["end"]["illegal"],
+                                                  "start_means": se["start"].get("means") or {},
+                                                  "end_means": se["end"].get("means") or {},
                                                   "train_illegal": a.get("train_illegal_rate", _illegal(a)),
                                                   "curve": se["curve"]})
     return {name: {"runs": s["runs"], "missing": s["missing"],
@@ -130,11 +135,23 @@ def _row(agent: str, opponent: str, trains: bool, cells: list[dict[str, Any]]) -
     m, se, n = mean_se([c["end"] - c["start"] for c in cells])
     row["gain"] = {"mean": m, "se": se, "n": n}
     row["end_step"] = max(c["end_step"] for c in cells)
+    row["summary_means"] = _measures(cells)
     row["per_seed"] = [{k: c[k] for k in ("seed", "start", "end", "illegal")} for c in cells]
     row["curves"] = {str(c["seed"]): c["curve"] for c in cells}
     return row
 
 
+
+
+def _measures(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per episode measure every seed's start and final evaluations report: start and final mean ± SE."""
+    keys = [k for k in cells[0].get("end_means", {})
+            if all(k in c.get("end_means", {}) and k in c.get("start_means", {}) for c in cells)]
+    out = {}
+    for k in keys:
+        (sm, sse, _), (em, ese, n) = (mean_se([c[f"{w}_means"][k] for c in cells]) for w in ("start", "end"))
+        out[k] = {"start": {"mean": sm, "se": sse}, "end": {"mean": em, "se": ese}, "n": n}
+    return out
 
 
 COLS = ("set-up", "agent", "opponent", "seeds", "step", "start", "final", "final − start", "eval illegal",
@@ -152,7 +169,21 @@ def markdown(agg: dict[str, Any], title: str) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         if s["missing"]:
             lines.append(f"| {name} | missing: {', '.join(s['missing'])} |" + " |" * (len(COLS) - 2))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _measures_table(agg)) + "\n"
+
+
+def _measures_table(agg: dict[str, Any]) -> list[str]:
+    """The episode measures' table (start and final mean ± SE across seeds), when any row has them."""
+    rows = [(name, r, k, v) for name, s in agg.items() for r in s["rows"]
+            for k, v in (r.get("summary_means") or {}).items()]
+    if not rows:
+        return []
+    lines = ["", "Episode measures of the evaluations (``summary_means``), mean ± SE across seeds.", "",
+             "| set-up | agent | opponent | measure | start | final |", "|---|---|---|---|---|---|"]
+    for name, r, k, v in rows:
+        lines.append(f"| {name} | {r['agent']} | {r['opponent']} | {k} | "
+                     f"{_fmt(v['start']['mean'], v['start']['se'])} | {_fmt(v['end']['mean'], v['end']['se'])} |")
+    return lines
 
 
 def plot(agg: dict[str, Any], path: Path, title: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from services.contracts.config import EnvironmentConfig
@@ -105,13 +105,14 @@ def fmt_report(r: dict[str, Any]) -> str:
 
 
 def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: str | dict[str, str],
-          ) -> dict[str, Any]:
+          measures: Sequence[str] | None = None) -> dict[str, Any]:
     """The one evaluation report (in-run and ``tandem eval`` alike), from ``play_eval``'s results: the score
     (win 1, draw 1/2, loss 0) with its standard error and 95 % Wilson interval, wins/draws/losses, the illegal
     or format-failure rate (episodes in which the player's reply was illegal or malformed, episode.py) with
     its standard error and Wilson interval and per reply, the mean reward, the per-role scores and
     ``summary_means``, the mean of each number (or yes/no) of the environment's episode summaries (for
-    guess_number: ``found``, ``turns``, ``malformed``: the true score when the reward is shaped)."""
+    guess_number: ``found``, ``turns``, ``malformed``: the true score when the reward is shaped), or of the
+    fields ``measures`` names (the environment's ``summary_measures``)."""
     counts = {"win": 0, "draw": 0, "loss": 0}
     per_role: dict[str, list[float]] = {r: [] for r in roles}
     rewards: list[float] = []
@@ -135,13 +136,14 @@ def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: 
             "illegal_reply_rate": invalid_replies / replies if replies else None,
             "mean_reward": sum(rewards) / max(len(rewards), 1),
             "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()},
-            "summary_means": summary_means([r.summary for _, r in results])}
+            "summary_means": summary_means([r.summary for _, r in results], measures)}
 
 
-def summary_means(summaries: list[dict[str, Any]]) -> dict[str, float]:
+def summary_means(summaries: list[dict[str, Any]], measures: Sequence[str] | None = None) -> dict[str, float]:
     """The mean over episodes of each number or yes/no of the environment's summaries that every one of
-    them has (True counts 1)."""
-    keys = [k for k, v in (summaries[0] if summaries else {}).items() if isinstance(v, int | float)]
+    them has (True counts 1); only the fields in ``measures`` when given."""
+    keys = [k for k, v in (summaries[0] if summaries else {}).items()
+            if isinstance(v, int | float) and (measures is None or k in measures)]
     common = [k for k in keys if all(isinstance(s.get(k), int | float) for s in summaries)]
     return {k: sum(float(s[k]) for s in summaries) / len(summaries) for k in common}
 
@@ -156,7 +158,7 @@ async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig
                           temperature: float, play: Play) -> dict[str, Any]:
     """Play ``episodes`` seeded episodes; return score (0-1), wins/draws/losses and per-role scores."""
     results = await play_eval(env_cls, env_cfg, player, roles, opponent, episodes, base, temperature, play)
-    return score(results, roles, opponent)
+    return score(results, roles, opponent, env_cls.summary_measures)
 
 
 async def evaluate_against(env_cls: type[Environment], env_cfg: EnvironmentConfig, player: Player,
