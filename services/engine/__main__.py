@@ -1,6 +1,7 @@
 """CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N]
-[--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W] [--device D] [--dtype T]``
-serves the embedded engine with uvicorn. Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN``
+[--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W] [--device D] [--dtype T]
+[--http H] [--loop L]`` serves the embedded engine with uvicorn (``auto``: httptools and uvloop where
+installed, else h11 and asyncio). Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN``
 (services/engine/server.py)."""
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (the agent's embedded.device); cuda needs a GPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                        help="uvicorn's HTTP parser")
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn's event loop")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
                      admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
                      device=args.device, dtype=args.dtype)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_keep_alive=KEEP_ALIVE_S)
+                timeout_keep_alive=KEEP_ALIVE_S, http=args.http, loop=args.loop)
 
 
 if __name__ == "__main__":

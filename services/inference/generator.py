@@ -88,8 +88,10 @@ class Engine:
         self.paused = False
         self._stopped = False
         self.last_step_at = time.monotonic()
-        # prefills; decode steps; requests that joined a running batch; that left while others ran on
-        self.stats = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0}
+        # prefills; decode steps; requests that joined a running batch; that left while others ran on;
+        # seconds the model thread spent in steps (prefills, decodes, sampling: busy, not waiting for work)
+        self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0,
+                                        "busy_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -193,11 +195,13 @@ class Engine:
                     done.resolve(exc=exc)
             if idle and not self._drop_aborted():
                 continue
+            started = time.perf_counter()
             try:
                 self._step(admit)
             except Exception as exc:
                 log.exception("step failed; aborting the %d running request(s)", len(self._batch.rows))
                 self._fail_all(f"engine error: {exc}", also=admit)
+            self.stats["busy_s"] += time.perf_counter() - started
         self._fail_all("engine stopped")
 
     def _next_work(self) -> tuple[list[_Op], list[GenRequest], bool] | None:

@@ -7,11 +7,14 @@ process over HTTP, and runs one batched ``model.generate`` on the same ``c`` pro
 (left-padded with an attention mask, KV cache, ``do_sample``, temperature 1, no top-k/top-p,
 ``min_new_tokens`` = ``max_new_tokens`` = ``N_NEW``, one torch thread as the engine's model thread).
 Ratio = generate's wall time / the engine's wall time (= engine tokens/s over generate tokens/s).
-The two arms alternate (which goes first flips every round) for ``ROUNDS`` rounds; every figure is
-the median over rounds, never a best. Latency: p50 and p99 of the engine's per-request HTTP latency
+The two arms alternate (which goes first flips every round) for ``ROUNDS`` rounds (``BENCH_ROUNDS``),
+after one untimed round of each at that concurrency (a new batch size's first pass is slower on a GPU);
+every figure is the median over rounds, never a best. Latency: p50 and p99 of the engine's per-request HTTP latency
 over all rounds (generate answers every prompt at once, so its latency is its wall time).
 ``batch_call`` is the same load sent as one SGLang batch ``/generate`` (``input_ids`` a list of lists).
-The engine's own counters give prefills and decode steps per round (``N_NEW`` steps is the floor).
+The engine's own counters give prefills and decode steps per round (``N_NEW`` steps is the floor), as a
+median and round by round (``per_round``: generate's and the engine's seconds, prefills, decode steps,
+and the share of the engine's wall time its model thread spent in steps, ``model_busy_fraction``).
 The load generator is aiohttp, whose client costs ~0.2 ms of CPU per request here; httpx (what the
 rollout's ``EngineClient`` uses) costs ~5 ms per request at 128 concurrent on this machine, which
 alone would make the client the bottleneck, so ``ratio_vs_batched_generate_httpx_client`` gives
@@ -63,8 +66,10 @@ CONCURRENCY = tuple(int(c) for c in os.environ.get("BENCH_CONCURRENCY", "1,8,32,
 DEVICE, DTYPE = os.environ.get("BENCH_DEVICE", "cpu"), os.environ.get("BENCH_DTYPE", "float32")
 MODEL_DIR = os.environ.get("BENCH_MODEL_DIR", "")
 SECONDARY = os.environ.get("BENCH_SECONDARY", "1") == "1"  # 0: skip the per-request and httpx lines
+ROUTER_LINE = True  # False: skip the router overhead and weight reload lines too (bench_gpu's variants)
 HTTPX_CONCURRENCY = (32, 128)
-N_NEW, ROUNDS, MAX_BATCH = 64, 5, 128
+N_NEW, MAX_BATCH = 64, 128
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 SEQUENTIAL_N = 16  # prompts for the secondary per-request generate line
 
 
@@ -179,9 +184,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def _counters(http: Client, url: str) -> dict[str, int]:
+async def _counters(http: Client, url: str) -> dict[str, float]:
     state = (await http.get(f"{url}/get_server_info"))["internal_states"][0]
-    return {k: int(state.get(k, 0)) for k in ("prefills", "decode_steps")}
+    return {k: float(state.get(k, 0)) for k in ("prefills", "decode_steps", "busy_s")}
 
 
 async def _alternated(gen: Callable[[], float], served: Callable[[], Awaitable[float]],
@@ -195,10 +200,11 @@ async def _alternated(gen: Callable[[], float], served: Callable[[], Awaitable[f
 
 
 async def _rounds(gen: Generate, served: Callable[[list[list[int]]], Awaitable[float]], c: int,
-                  rounds: int = ROUNDS) -> list[tuple[float, float]]:
+                  rounds: int | None = None) -> list[tuple[float, float]]:
     """Per round: (generate's wall time, the engine's) on the same ``c`` prompts."""
     batch = prompts(c)
-    return [await _alternated(lambda: gen.batched(batch), lambda: served(batch), rnd) for rnd in range(rounds)]
+    return [await _alternated(lambda: gen.batched(batch), lambda: served(batch), rnd)
+            for rnd in range(ROUNDS if rounds is None else rounds)]
 
 
 def _median_ratio(walls: list[tuple[float, float]]) -> float:
@@ -207,15 +213,21 @@ def _median_ratio(walls: list[tuple[float, float]]) -> float:
 
 async def _one_concurrency(http: Client, url: str, gen: Generate, c: int) -> dict[str, Any]:
     lats: list[float] = []
+    steps: list[tuple[int, int, float]] = []
 
     async def served(batch: list[list[int]]) -> float:
+        before = await _counters(http, url)
         wall, lat = await burst(http, url, batch)
+        after = await _counters(http, url)
         lats.extend(lat)
+        steps.append((int(after["prefills"] - before["prefills"]), int(after["decode_steps"] - before["decode_steps"]),
+                      (after["busy_s"] - before["busy_s"]) / wall))
         return wall
 
-    before = await _counters(http, url)
+    await _rounds(gen, served, c, rounds=1)  # untimed: this batch size's first pass in each arm
+    lats.clear()
+    steps.clear()
     walls = await _rounds(gen, served, c)
-    after = await _counters(http, url)
     calls = await _rounds(gen, lambda b: batch_call(http, url, b), c) if BATCH_CALL else []
     ratios = [g / e for g, e in walls]
     gen_s, eng_s = statistics.median(g for g, _ in walls), statistics.median(e for _, e in walls)
@@ -226,8 +238,11 @@ async def _one_concurrency(http: Client, url: str, gen: Generate, c: int) -> dic
         "batched_generate_tokens_per_s": round(c * N_NEW / gen_s, 1),
         "p50_latency_s": round(_pct(lats, 0.5), 4), "p99_latency_s": round(_pct(lats, 0.99), 4),
         "batched_generate_latency_s": round(gen_s, 4),
-        "prefills_per_round": round((after["prefills"] - before["prefills"]) / ROUNDS, 1),
-        "decode_steps_per_round": round((after["decode_steps"] - before["decode_steps"]) / ROUNDS, 1),
+        "prefills_per_round": statistics.median(p for p, _, _ in steps),
+        "decode_steps_per_round": statistics.median(d for _, d, _ in steps),
+        "model_busy_fraction": round(statistics.median(b for _, _, b in steps), 3),
+        "per_round": [[round(g, 4), round(e, 4), p, d, round(b, 3)]
+                      for (g, e), (p, d, b) in zip(walls, steps, strict=True)],
         "batch_call_ratio_vs_batched_generate": round(_median_ratio(calls), 3) if calls else None,
     }
 
@@ -265,7 +280,7 @@ async def _router_and_update(http: Client, engine: str, router: str, model_dir: 
 
 async def _secondary(http: Client, engine: str, router: str, model_dir: Path, gen: Generate) -> dict[str, Any]:
     if not SECONDARY:
-        return await _router_and_update(http, engine, router, model_dir)
+        return await _router_and_update(http, engine, router, model_dir) if ROUTER_LINE else {}
     seq_batch = prompts(SEQUENTIAL_N)
     seq = [await _alternated(lambda: gen.sequential(seq_batch),
                              lambda: _wall(burst(http, engine, seq_batch)), rnd) for rnd in range(2)]

@@ -13,10 +13,13 @@ and short runs, to check the paths in a minute.
 - ``engine``: ``tests/bench/bench_engine.py`` with both arms on the GPU in bfloat16: the embedded engine
   (``embedded.device: cuda``) over HTTP against one batched ``model.generate`` on the same prompts, at
   1-128 concurrent requests, arms alternated, medians over rounds; its ``weight_update_ms`` is the disk
-  reload of the whole checkpoint (``/update_weights_from_disk``, page cache warm).
+  reload of the whole checkpoint (``/update_weights_from_disk``, page cache warm). ``--engine-variants``
+  runs the single-request line again for other engine flags, in the same run: ``NAME|FLAGS|C1,C2;...``
+  (e.g. ``fast|--http httptools --loop uvloop|32,128``).
 - ``trainer``: ``tests/bench/bench_trainer.py`` on the GPU: tokens/s and MFU of the torch backend in
   float32 and bf16 autocast, and of the megatron backend in bf16 autocast (when megatron-core imports),
-  with the demo's batch in 4 minibatches (``BENCH_GPU_MINIBATCHES`` for others).
+  with the demo's batch in 4 minibatches (``BENCH_GPU_MINIBATCHES`` for others; ``BENCH_GPU_TRAINER_ARMS``
+  for other arms, e.g. ``torch:bfloat16`` alone, whose one policy fits the whole batch in one pass).
 - ``system``: ``tests/bench/bench_system.py`` with the demo (its tiny model) once with engines and
   trainers on the CPU and once on the GPU, against the in-process loop.
 """
@@ -72,9 +75,10 @@ def gpu_info() -> dict[str, Any]:
             "cpu_cores": os.cpu_count()}
 
 
-def part_engine(model: Path, smoke: bool) -> dict[str, Any]:
+def part_engine(model: Path, smoke: bool, variants: str = "") -> dict[str, Any]:
+    log_path = Path(os.environ.get("BENCH_ENGINE_LOG", model.parent / "engine.log"))
     os.environ.update(BENCH_DEVICE="cuda", BENCH_DTYPE="bfloat16", BENCH_MODEL_DIR=str(model), BENCH_SECONDARY="0",
-                      BENCH_ENGINE_LOG=str(model.parent / "engine.log"))
+                      BENCH_ENGINE_LOG=str(log_path))
     if smoke:
         os.environ["BENCH_CONCURRENCY"] = "1,8"
     from tests.bench import bench_engine
@@ -82,9 +86,16 @@ def part_engine(model: Path, smoke: bool) -> dict[str, Any]:
     if smoke:
         bench_engine.ROUNDS = 2
     try:
-        return bench_engine.run()
+        out = bench_engine.run()
+        for variant in filter(None, variants.split(";")):  # the single-request line under other engine flags
+            name, flags, conc = variant.split("|")
+            bench_engine.ENGINE_ARGS, bench_engine.BATCH_CALL, bench_engine.ROUTER_LINE = flags.split(), False, False
+            bench_engine.CONCURRENCY = tuple(int(c) for c in conc.split(","))
+            out[f"variant_{name}"] = {"flags": flags, **bench_engine.run()}
+            print(json.dumps({f"variant_{name}": out[f"variant_{name}"]}, default=str), flush=True)
+        return out
     except Exception as exc:
-        log = (model.parent / "engine.log").read_text(errors="replace")[-2500:]
+        log = log_path.read_text(errors="replace")[-2500:]
         raise RuntimeError(f"{exc}; the engine's log ends:\n{log}") from exc
 
 
@@ -97,6 +108,7 @@ def part_trainer(model: Path, smoke: bool) -> dict[str, Any]:
         arms.append("megatron:bfloat16")
     except ImportError as exc:
         print(f"megatron-core does not import here ({exc}); its arm is left out", flush=True)
+    arms = os.environ.get("BENCH_GPU_TRAINER_ARMS", "").split(",") if os.environ.get("BENCH_GPU_TRAINER_ARMS") else arms
     os.environ.update(BENCH_TRAINER_DEVICE="cuda", BENCH_TRAINER_MODEL_DIR=str(model),
                       BENCH_TRAINER_ARMS=",".join(arms))
     from tests.bench import bench_trainer
@@ -125,6 +137,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="engine,trainer,system")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--engine-variants", default="", help="NAME|FLAGS|C1,C2;... (see the module docstring)")
     args = ap.parse_args()
     out: dict[str, Any] = {"info": gpu_info(), "smoke": args.smoke}
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
@@ -132,7 +145,7 @@ def main() -> None:
         for part in args.parts.split(","):
             started = time.perf_counter()
             try:
-                fn = {"engine": lambda: part_engine(model, args.smoke),
+                fn = {"engine": lambda: part_engine(model, args.smoke, args.engine_variants),
                       "trainer": lambda: part_trainer(model, args.smoke),
                       "system": lambda: part_system(args.smoke)}[part]
                 out[part] = fn()
