@@ -31,9 +31,6 @@ from services.contracts.agent_parts import (  # noqa: F401 (re-exported: the con
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted, cycle_roles, parse_role_map
 
-# Set by ``tandem up`` for its trainers: load the model only after the agent's first turn (services/trainer/__main__.py)
-TRAINER_AFTER_FIRST_TURN_ENV = "TANDEM_TRAINER_AFTER_FIRST_TURN"
-
 
 class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads ``1e-3`` (no dot) as a string; configs are strict, so read it as the float it means."""

@@ -31,8 +31,9 @@ from rich.table import Table
 from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
-from services.contracts.config import TRAINER_AFTER_FIRST_TURN_ENV, AgentConfig, TandemConfig
+from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
+from services.launcher.deferred import AfterFirstTurn
 from services.launcher.processes import (
     LOST_EPISODES,
     ProcessGroup,
@@ -103,21 +104,23 @@ def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
     return python_module("services.trainer", *base)
 
 
-def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int) -> str:
+def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api_port: int,
+                   later: AfterFirstTurn | None = None) -> str:
     """Start every service; return the control API URL. Each rollout starts its agent's SGLang router
     and engines itself (embedded on CPU, ``sglang.launch_server`` with ``engine: sglang``). The order is
     the first turn's critical path: the rollouts (their engines are the slowest start), the coordinator,
-    then the buffers and trainers (needed only once the first groups are played); all start at once, and a
-    trainer under ``tandem up`` loads its model after its agent's first turn (services/trainer/__main__.py)."""
+    then the buffers and trainers (needed only once the first groups are played): held in ``later`` when
+    given, which starts them after the first turn (services/launcher/deferred.py), else all at once."""
     base = {agent: ["--config", config_path, "--agent", agent] for agent in cfg.agents}
     for agent in cfg.agents:
         group.start(f"rollout.{agent}", python_module("services.rollout", *base[agent]))
     group.start("coordinator", python_module("services.coordinator", "--config", config_path, "--port", str(api_port)))
     trained = [agent for agent, acfg in cfg.agents.items() if acfg.train]  # a frozen agent: its rollout only
+    start = later.add if later is not None else group.start
     for agent in trained:
-        group.start(f"buffer.{agent}", python_module("services.buffer", *base[agent]))
+        start(f"buffer.{agent}", python_module("services.buffer", *base[agent]))
     for agent in trained:
-        group.start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base[agent]))
+        start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base[agent]))
     return f"http://{cfg.api.host}:{api_port}"
 
 
@@ -258,8 +261,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
             console.print(f"[dim]{name:>13}[/dim] │ {line}", markup=True, highlight=False, soft_wrap=True)
 
     redis = None
-    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir),  # weights signing: by environment, not Redis
-                           TRAINER_AFTER_FIRST_TURN_ENV: "1"}  # trainers start once the engines serve
+    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir)}  # weights signing: by environment, not Redis
     redis_url = cfg.redis_url
     if not cfg.redis_url:
         redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,
@@ -278,8 +280,10 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         group.others.append(RedisProcess("redis", server=redis))
     code = 0
     try:
-        api = start_services(cfg, config_path, group, api_port)
-        code = watch(group, api, console, cfg.api.token, engines)
+        # a new run starts its buffers and trainers after the first turn; a resumed one at once
+        later = None if resume else AfterFirstTurn(redis_url, [Streams(cfg.run.name).turns(a) for a in cfg.agents])
+        api = start_services(cfg, config_path, group, api_port, later)
+        code = watch(group, api, console, cfg.api.token, engines, later.watch() if later else None)
     except KeyboardInterrupt:
         console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
                       f" (continue with `tandem up {config_path} --resume`)")
@@ -330,7 +334,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
-          engines: EngineRestarts | None = None) -> int:
+          engines: EngineRestarts | None = None, later: AfterFirstTurn | None = None) -> int:
     """Supervise the children (restart a dead one within the budget) and refresh progress until the
     coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget. Once the status says
     the run is over (``done`` or ``stopped``) only the coordinator is still restarted: it writes the report
@@ -344,6 +348,8 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
     with Live(status_table(None), console=console, auto_refresh=False,
               transient=False) if console.is_terminal else _NoLive() as live:
         while True:
+            for name, cmd in later.take_due() if later else []:
+                group.start(name, cmd)
             for note in group.supervise():
                 console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
             if engines is not None and engines.ledger.pending:
@@ -369,7 +375,7 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
             elif status and time.time() - last_print > 15:
                 console.print(status_table(status, restarts, progress))
                 last_print = time.time()
-            waiter.wait(1.0)
+            (later.due if later and later.pending else waiter).wait(1.0)
 
 
 class _NoLive:
