@@ -88,7 +88,14 @@ def _start_run(tmp_path: Path, model: Path, name: str, *flags: str, log: Path | 
                 break
         except httpx.HTTPError:
             time.sleep(0.3)
+    while time.time() < deadline and _trained(_children(proc.pid)) < 4:  # a new run's buffers and trainers
+        assert proc.poll() is None, log.read_text() if log else ""     # start after its first turn
+        time.sleep(0.3)
     return proc, _children(proc.pid)
+
+
+def _trained(children: dict[int, str]) -> int:
+    return sum("services.buffer --config" in cmd or "services.trainer --config" in cmd for cmd in children.values())
 
 
 def _logged_run(tmp_path: Path, model: Path, name: str,
