@@ -146,6 +146,9 @@ def test_answer_then_answer_rewards(first: str, second: str, expected: tuple[flo
     env = AnswerThenAnswer({}, 5)
     result, _ = play(env, {"first": first, "second": second})
     assert (result.rewards["first"], result.rewards["second"]) == expected
+    measures = {k: env.summary()[k] for k in AnswerThenAnswer.summary_measures or ()}
+    assert measures == {"first_right": int(expected[0]), "second_right": int(expected[1]),
+                        "copied": int(second == "copy")}
 
 
 def test_answer_then_answer_second_sees_first_and_unparseable_is_penalised() -> None:

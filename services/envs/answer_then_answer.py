@@ -52,6 +52,7 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
     scripted_players: ClassVar[tuple[str, ...]] = ("correct", "wrong", "copy")
 
     env_name: ClassVar[str] = "answer_then_answer"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("first_right", "second_right", "copied")
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -91,4 +92,8 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
         raise ValueError(f"unknown scripted player {player!r}; choose from {self.scripted_players}")
 
     def summary(self) -> dict[str, Any]:
-        return {"question": self.question, "truth": self.answer, "answers": dict(self.replies)}
+        """The episode, and what evaluations average: each answer right (1/0), the second a copy of the first."""
+        first, second = self.replies.get("first"), self.replies.get("second")
+        return {"question": self.question, "truth": self.answer, "answers": dict(self.replies),
+                "first_right": int(first == self.answer), "second_right": int(second == self.answer),
+                "copied": int(first is not None and second == first)}
