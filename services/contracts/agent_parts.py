@@ -35,6 +35,10 @@ class AlgorithmConfig(Strict):
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
     max_grad_norm: float = Field(1.0, gt=0)
     normalize_std: bool = Field(True, description="grpo/ppo/gspo/cispo: divide advantages by the group's std")
+    credit: Literal["episode", "turn"] = Field(
+        "episode", description="episode: one advantage for all of a sample's tokens (its reward against its group's); "
+        "turn: each generated turn's tokens get their own, the turn's return-to-go (Sample.turn_rewards from that turn "
+        "on) against the group's samples at the same turn (grpo, dr_grpo, ppo, reinforce_pp*, cispo)")
     dual_clip_c: float = Field(3.0, gt=1, description="ppo: dual-clip bound on negative-advantage tokens")
     norm_tokens: int = Field(0, ge=0, description="dr_grpo: loss = token sum / (sequences x norm_tokens); "
                                                    "0 = the batch's padded length")

@@ -104,6 +104,18 @@ class GenerateReply(Message):
         return self
 
 
+def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """The generated turns of a view: each run of 1s in ``loss_mask`` as [start, end) token positions."""
+    spans, start = [], None
+    for i, m in enumerate([*loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 class Sample(Message):
     """samples:{agent} — one agent-trajectory of one episode.
 
@@ -126,6 +138,10 @@ class Sample(Message):
     weight_versions: list[int] = Field(min_length=1, description="per generated turn, the weight version")
     engines: list[str] = Field(default_factory=list)
     reply_ids: list[str] = Field(default_factory=list)
+    turn_rewards: list[FiniteFloat] = Field(
+        default_factory=list, description="per generated turn (each run of 1s in loss_mask, in order), what that "
+        "turn earned: the environment's per-turn rewards to this role from it until the role's next turn, the "
+        "last turn also the final reward; they sum to reward. Empty: the episode's reward only (algorithm.credit)")
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
@@ -139,6 +155,12 @@ class Sample(Message):
             raise ValueError("loss_mask holds values other than 0 and 1")
         if not any(self.loss_mask):
             raise ValueError("loss_mask covers no token: the agent generated nothing")
+        if self.turn_rewards:
+            turns = len(turn_spans(self.loss_mask))
+            if len(self.turn_rewards) != turns:
+                raise ValueError(f"turn_rewards has {len(self.turn_rewards)} values for {turns} generated turns")
+            if abs(sum(self.turn_rewards) - self.reward) > 1e-6 * max(1.0, abs(self.reward)):
+                raise ValueError(f"turn_rewards sum to {sum(self.turn_rewards)}, not to reward {self.reward}")
         return self
 
     @property

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams
+from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams, turn_spans
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted
 from services.envs.base import Environment
 from services.envs.render import ChatRenderer
@@ -81,12 +81,14 @@ class EpisodeResult:
             if (not isinstance(view.player, AgentPlayer) or view.player.agent not in group_samples
                     or not any(view.loss_mask)):
                 continue  # a frozen or in-process player: not trained
-            agent = view.player.agent
+            agent, reward = view.player.agent, self.rewards.get(role, 0.0)
+            credit = turn_credit(self.transcript, role, reward)
             out.append(Sample(
                 agent=agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
                 group_samples=group_samples[agent], tokens=view.tokens, loss_mask=view.loss_mask,
-                rollout_logprobs=view.rollout_logprobs, reward=self.rewards.get(role, 0.0),
+                rollout_logprobs=view.rollout_logprobs, reward=reward,
                 weight_versions=view.weight_versions, engines=view.engines, reply_ids=view.reply_ids,
+                turn_rewards=credit if len(credit) == len(turn_spans(view.loss_mask)) else [],
             ))
         return out
 
@@ -195,6 +197,27 @@ async def play_episode(
     rewards = final_rewards(env, episode_id, roles, rewards, turn_rewards)
     summary = {**env.summary(), **({"truncated": True} if truncated else {})}
     return EpisodeResult(episode_id, group_id, dict(roles), rewards, transcript, ep.views, summary, purpose)
+
+
+def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> list[float]:
+    """What each of ``role``'s generated turns earned (``Sample.turn_rewards``): the per-turn rewards the role
+    got from that turn until its next one (those before its first turn go to the first), the final reward (the
+    rest of ``total``) to the last. A turn that generated no token is no turn: its rewards go to the one before."""
+    credit: list[float] = []
+    before = 0.0
+    for entry in transcript:
+        if entry.get("role") == role and entry.get("tokens"):
+            credit.append(0.0)
+        got = float((entry.get("turn_rewards") or {}).get(role, 0.0))
+        if credit:
+            credit[-1] += got
+        else:
+            before += got
+    if not credit:
+        return []
+    credit[0] += before
+    credit[-1] += total - sum(credit)
+    return credit
 
 
 def format_failure(info: Mapping[str, Any]) -> str | None:

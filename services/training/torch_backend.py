@@ -103,7 +103,8 @@ class TorchPolicy(TrainingStep):
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
                  ref: torch.Tensor | None) -> Stats:
         logp, ent = self.forward(batch, entropy=True)
-        x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], plan.advantages[rows].to(self.device),
+        adv = plan.advantages_for(rows, batch["mask"].shape[1]).to(self.device)
+        x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], adv,
                         plan.stale[rows].to(self.device), prox, ref, ent)
         loss, stats = self.algo.loss(x)
         loss.backward()

@@ -89,7 +89,7 @@ def build_samples(results: list[tuple[str, EpisodeResult]]) -> list[Sample]:
 async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     random.seed(seed)
     torch.manual_seed(seed)
-    algo = AlgorithmConfig(name=args.algo, lr=args.lr, clip_eps_low=args.clip,
+    algo = AlgorithmConfig(name=args.algo, lr=args.lr, clip_eps_low=args.clip, credit=args.credit,
                            clip_eps_high=args.clip_high or args.clip, epochs=1,
                            minibatches=args.minibatches, kl_coef=args.kl,
                            entropy_coef=args.entropy)
@@ -148,6 +148,7 @@ def main() -> None:
     ap = sweep_parser(__doc__.split("\n")[0], steps=30)
     ap.add_argument("--clip-high", type=float, default=0.28)
     ap.add_argument("--algo", default="grpo", help="algorithm.name (grpo, gspo, dr_grpo, ...)")
+    ap.add_argument("--credit", default="episode", choices=["episode", "turn"], help="algorithm.credit")
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="training environment params over the demo's, e.g. info_shaping=0.1 turn_cost=0.1")
     ap.add_argument("--minibatches", type=int, default=1)

@@ -7,14 +7,14 @@ the maths: which samples are trained and in which minibatches, advantages, the l
 One ``train_step(samples)`` of a backend whose weights are version ``v`` does::
 
     algo = make_algorithm(acfg.algorithm)                  # once, at start
-    plan = algo.prepare(samples, v)                        # rows, advantages [N], stale [N], minibatches
+    plan = algo.prepare(samples, v)                        # rows, advantages [N] (or [N, T]), stale [N], minibatches
     if not plan.samples: nothing to train (e.g. DPO with no pair): no optimizer step
     prox = no-grad logprobs of every minibatch   if algo.needs_prox(plan)   (before the first update)
     ref  = logprobs under the frozen reference   if algo.needs_reference    (KL add-on, DPO)
     for epoch in range(cfg.epochs):
         for mb in plan.minibatches:                        # row indices into plan.samples
             logp [B,T] (with grad), entropy [B,T] (with grad if algo.needs_entropy_grad; optional otherwise)
-            x = make_inputs(cfg, logp, rollout_logp, mask, plan.advantages[mb], plan.stale[mb],
+            x = make_inputs(cfg, logp, rollout_logp, mask, plan.advantages_for(mb, T), plan.stale[mb],
                             prox[mb], ref[mb], entropy)    # TIS is applied here
             loss, stats = algo.loss(x); loss.backward(); clip grads; optimizer.step(); scheduler.step()
 

@@ -15,6 +15,7 @@ import torch
 
 from services.contracts.config import AlgorithmConfig
 from services.contracts.messages import Sample
+from services.training.credit import token_advantages, turn_advantages
 from services.training.grpo import group_advantages
 
 Stats = dict[str, float]
@@ -44,6 +45,13 @@ class StepPlan:
     advantages: torch.Tensor
     stale: torch.Tensor
     minibatches: list[list[int]]
+    token_advantages: torch.Tensor | None = None  # [N, longest - 1] under algorithm.credit: turn (credit.py)
+
+    def advantages_for(self, rows: list[int], width: int) -> torch.Tensor:
+        """The rows' advantages as the loss takes them: [rows], or [rows, width] per token (credit: turn)."""
+        if self.token_advantages is None:
+            return self.advantages[rows]
+        return self.token_advantages[rows, :width]
 
 
 @dataclass
@@ -54,9 +62,9 @@ class LossInputs:
     old_logp: what the ratio is taken against (no grad) — the rollout logprobs, or for a
     stale row with TIS on, the trainer's own logprobs before this step; tis_weight: the
     truncated weight exp(old - rollout) capped at ``tis_cap`` (1 where TIS does not apply);
-    advantages [B]; ref_logp: the frozen reference's logprobs (only if the algorithm needs
-    it); entropy [B, T]: the policy's entropy (with grad if ``entropy_coef`` > 0, else it
-    may be None or detached); stats: TIS statistics filled by ``make_inputs``.
+    advantages [B] (or [B, T] per token, algorithm.credit: turn); ref_logp: the frozen reference's
+    logprobs (only if the algorithm needs it); entropy [B, T]: the policy's entropy (with grad if
+    ``entropy_coef`` > 0, else it may be None or detached); stats: TIS statistics filled by ``make_inputs``.
     """
 
     logp: torch.Tensor
@@ -122,9 +130,13 @@ class Algorithm:
     name: ClassVar[str] = ""
     uses_tis: ClassVar[bool] = True          # policy-gradient losses take TIS; SFT/DPO do not
     uses_reference: ClassVar[bool] = False   # DPO needs the reference even without KL
+    turn_credit: ClassVar[bool] = False      # its loss takes a per-token advantage (algorithm.credit: turn)
 
     def __init__(self, cfg: AlgorithmConfig) -> None:
         self.cfg = cfg
+        if cfg.credit == "turn" and not self.turn_credit:
+            raise ValueError(f"algorithm.credit: 'turn' needs an algorithm whose loss takes per-token advantages "
+                             f"(grpo, dr_grpo, ppo, cispo), not {cfg.name!r}")
 
     @property
     def needs_reference(self) -> bool:
@@ -145,6 +157,10 @@ class Algorithm:
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         return group_advantages([s.reward for s in samples], [s.group_id for s in samples], self.cfg.normalize_std)
 
+    def per_token_advantages(self, samples: list[Sample]) -> torch.Tensor:
+        """Per-turn credit (services/training/credit.py), normalised as ``advantages`` is."""
+        return token_advantages(samples, turn_advantages(samples, self.cfg.normalize_std))
+
     def split(self, n: int) -> list[list[int]]:
         return chunks(n, self.cfg.minibatches)
 
@@ -154,7 +170,8 @@ class Algorithm:
         if not rows:
             return StepPlan([], torch.zeros(0), torch.zeros(0, dtype=torch.bool), [])
         stale = torch.tensor([s.min_weight_version < version for s in rows], dtype=torch.bool)
-        return StepPlan(rows, self.advantages(rows).float(), stale, self.split(len(rows)))
+        per_token = self.per_token_advantages(rows) if self.cfg.credit == "turn" else None
+        return StepPlan(rows, self.advantages(rows).float(), stale, self.split(len(rows)), per_token)
 
     # -- the loss ------------------------------------------------------------------------
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:

@@ -13,6 +13,7 @@ import torch
 
 from services.contracts.messages import Sample
 from services.training.algorithms.base import Algorithm, LossInputs, Stats, masked_mean, seq_sum
+from services.training.credit import token_advantages, turn_advantages
 from services.training.grpo import group_advantages
 
 
@@ -23,11 +24,16 @@ def clip_stats(ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float)
                 "ratio_max": float((ratio * mask).max()) if mask.any() else 1.0}
 
 
+def token_adv(x: LossInputs) -> torch.Tensor:
+    """The advantage of each token: the row's [B] broadcast, or per token [B, T] (algorithm.credit: turn)."""
+    return x.advantages if x.advantages.dim() == 2 else x.advantages.unsqueeze(1)
+
+
 def ppo_token_losses(x: LossInputs, low: float, high: float, dual_c: float | None = None
                      ) -> tuple[torch.Tensor, Stats]:
     """Per-token PPO-clip loss max(-A r, -A clip(r)) [dual clip: min(., -c A) where A < 0], times the TIS weight."""
     ratio = torch.exp(x.logp - x.old_logp)
-    adv = x.advantages.unsqueeze(1)
+    adv = token_adv(x)
     per_tok = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
     stats = clip_stats(ratio, x.mask, low, high)
     if dual_c is not None:
@@ -43,6 +49,7 @@ class GRPO(Algorithm):
     """Group mean/std advantages; token-mean PPO-clip loss over the batch's generated tokens."""
 
     name = "grpo"
+    turn_credit = True
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         per_tok, stats = ppo_token_losses(x, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
@@ -53,9 +60,13 @@ class DrGRPO(Algorithm):
     """Dr.GRPO: advantage r - group mean (no std); loss = token SUM / (rows x L), L constant (no length norm)."""
 
     name = "dr_grpo"
+    turn_credit = True
 
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         return group_advantages([s.reward for s in samples], [s.group_id for s in samples], normalize_std=False)
+
+    def per_token_advantages(self, samples: list[Sample]) -> torch.Tensor:
+        return token_advantages(samples, turn_advantages(samples, normalize_std=False))
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         per_tok, stats = ppo_token_losses(x, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
@@ -67,6 +78,7 @@ class PPO(Algorithm):
     """PPO-clip with dual clip (bound ``dual_clip_c`` on negative advantages); group-baselined advantages."""
 
     name = "ppo"
+    turn_credit = True
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         per_tok, stats = ppo_token_losses(x, self.cfg.clip_eps_low, self.cfg.clip_eps_high, self.cfg.dual_clip_c)
@@ -128,10 +140,11 @@ class CISPO(Algorithm):
     """CISPO: -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp, token mean; every token keeps its gradient."""
 
     name = "cispo"
+    turn_credit = True
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         ratio = torch.exp(x.logp - x.old_logp)
         low, high = self.cfg.clip_eps_low, self.cfg.clip_eps_high
         weight = torch.clamp(ratio, 1 - low, 1 + high).detach()
-        per_tok = -weight * x.advantages.unsqueeze(1) * x.logp * x.tis_weight
+        per_tok = -weight * token_adv(x) * x.logp * x.tis_weight
         return masked_mean(per_tok, x.mask), clip_stats(ratio, x.mask, low, high)

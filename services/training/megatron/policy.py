@@ -250,7 +250,7 @@ class MegatronPolicy(TrainingStep):
             ent = token_entropy(logits if self.algo.needs_entropy_grad else logits.detach(), self.temperature)
             dev = logp.device
             x = make_inputs(self.cfg, logp, batch["old_logp"].to(dev), batch["mask"].to(dev),
-                            plan.advantages[rows].to(dev), plan.stale[rows].to(dev),
+                            plan.advantages_for(rows, batch["mask"].shape[1]).to(dev), plan.stale[rows].to(dev),
                             None if prox is None else prox.to(dev), None if ref is None else ref.to(dev), ent)
             return self.algo.loss(x)
 
