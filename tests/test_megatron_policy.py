@@ -67,6 +67,25 @@ def test_megatron_step_equals_torch_step(tiny_model_dir: Path, tmp_path: Path) -
         assert torch.allclose(weights["megatron"][k], v, atol=1e-3, rtol=0), k
 
 
+def turns(group: str, turn_rewards: list[float], sid: str) -> Sample:
+    """Three generated turns (runs of 1s in the mask) that earned ``turn_rewards``."""
+    mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
+    return Sample(agent="A", role="X", episode_id=sid, group_id=group, group_samples=2,
+                  tokens=[5 + i for i in range(11)], loss_mask=mask, rollout_logprobs=[-2.0 if m else 0.0 for m in mask], reward=sum(turn_rewards),
+                  weight_versions=[0, 0, 0], turn_rewards=turn_rewards)
+
+
+def test_megatron_step_equals_torch_step_under_turn_credit(tiny_model_dir: Path) -> None:
+    """Per-turn credit's per-token advantages reach the Megatron loss as they reach torch's."""
+    batch = [turns("g", [1.0, -0.5, 0.0], "a"), turns("g", [-0.5, 1.0, 0.0], "b"),
+             turns("h", [0.2, 0.2, 0.2], "c"), turns("h", [0.0, 0.0, 1.0], "d")]
+    metrics = {b: make_policy(agent(tiny_model_dir, b, credit="turn"), 1.0).train_step(batch)
+               for b in ("torch", "megatron")}
+    for key in ("pg_loss", "loss", "grad_norm"):
+        assert metrics["megatron"][key] == pytest.approx(metrics["torch"][key], rel=1e-4, abs=1e-5), key
+    assert metrics["torch"]["grad_norm"] > 0  # equal totals in group g: only the turns' credit moves anything
+
+
 @pytest.mark.parametrize("algo", [{"name": "grpo"}, {"name": "cispo"}, {"name": "dpo"},
                                   {"name": "grpo", "kl_coef": 0.1, "entropy_coef": 0.01}])
 def test_one_step_raises_the_better_answer(tiny_model_dir: Path, algo: dict) -> None:
