@@ -71,7 +71,8 @@ def turns(group: str, turn_rewards: list[float], sid: str) -> Sample:
     """Three generated turns (runs of 1s in the mask) that earned ``turn_rewards``."""
     mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
     return Sample(agent="A", role="X", episode_id=sid, group_id=group, group_samples=2,
-                  tokens=[5 + i for i in range(11)], loss_mask=mask, rollout_logprobs=[-2.0 if m else 0.0 for m in mask], reward=sum(turn_rewards),
+                  tokens=[5 + i for i in range(11)], loss_mask=mask,
+                  rollout_logprobs=[-2.0 if m else 0.0 for m in mask], reward=sum(turn_rewards),
                   weight_versions=[0, 0, 0], turn_rewards=turn_rewards)
 
 
