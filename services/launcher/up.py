@@ -1,8 +1,9 @@
 """``tandem up CONFIG``: embedded Redis and every service as child processes.
 
 Order: Redis (embedded unless the config names one; its AOF under ``runs/<run>/redis``) → per
-agent the rollout (which starts the agent's real SGLang router and engines itself), buffer and
-trainer → the coordinator. It shows progress from the coordinator's ``/v1/status`` and supervises
+agent the rollout (which starts the agent's real SGLang router and engines itself) → the
+coordinator → per trained agent the buffer and trainer (a new run's once its first turn is played:
+services/launcher/deferred.py). It shows progress from the coordinator's ``/v1/status`` and supervises
 every child and the embedded Redis: one that dies is restarted in place within the restart budget
 (``run.max_restarts`` in ``run.restart_window_s``), the count goes to the live view, the Redis hash
 ``state:restarts`` and ``summary.json``; past the budget the run stops naming the service. Ctrl-C
