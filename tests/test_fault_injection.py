@@ -155,6 +155,8 @@ def kill_and_measure(proc, obs: Observer, kind: str, agent: str, rng: random.Ran
     os.kill(pid, signal.SIGKILL)
     killed, kill_ms = time.monotonic(), int(time.time() * 1000)
     got: dict[str, float | None] = {"sample_s": None, "step_s": None}
+    if steps_before is not None and steps_before >= TOTAL_STEPS * len(scope):
+        return got  # the victim's agents had trained their last step (B, a version ahead, can finish first)
     while time.monotonic() - killed < 240:
         assert proc.poll() in (None, 0), f"the launcher exited {proc.returncode} after killing {kind}"
         now = time.monotonic() - killed
