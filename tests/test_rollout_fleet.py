@@ -246,6 +246,32 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
 
 
 @pytest.mark.slow
+async def test_a_router_whose_metrics_port_was_taken_is_started_again(tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's metrics port is picked free, then bound by the router: another process can take it in
+    between (seen once in a three-agent run). The real router then exits at once; the fleet starts it again
+    with another port instead of waiting a minute for a dead process and failing the rollout."""
+    import socket
+
+    import services.common.sglang_router as sglang_router
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    first = [taken.getsockname()[1]]
+    real_free_port = sglang_router.free_port
+    monkeypatch.setattr(sglang_router, "free_port", lambda: first.pop() if first else real_free_port())
+    fleet = EngineFleet("A", AgentConfig(model_path=str(tiny_model_dir), num_engines=1), interval=0.3)
+    try:
+        started = time.monotonic()
+        await fleet.start()
+        assert time.monotonic() - started < 45 and fleet.router and fleet.router.returncode is None
+        assert await list_workers(fleet.router_url, healthy_only=True, token=fleet.token) == [fleet.engines[0].url]
+    finally:
+        taken.close()
+        await fleet.close()
+
+
 async def test_a_dead_router_is_restarted_and_gets_its_engines_back(tiny_model_dir: Path) -> None:
     """SIGKILL the real sglang-router: the fleet starts it again on its port, registers both live engines
     with it on the version the fleet had loaded, and generation through it works again."""

@@ -96,9 +96,29 @@ class EngineFleet:
         if self.router is None:
             self.router = self._spawn(self._router_command())
         await asyncio.gather(*(self._boot(e) for e in self.engines))
-        await wait_healthy(self.router_url, timeout=60)
+        await self._router_up()
         await asyncio.gather(*(self._register(e) for e in self.engines))
         log.info("router %s with %d engine(s) up", self.router_url, len(self.engines))
+
+    async def _router_up(self, tries: int = 3, within_s: float = 60.0) -> None:
+        """Wait for the router to answer ``/health``. One that exits while starting is started again (its
+        metrics port is picked free and then bound by the router, so another process may take it in between:
+        the router then exits at once), with a new metrics port each time, ``tries`` times in all."""
+        assert self.router is not None
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if self.router.returncode is not None:
+                tries -= 1
+                if tries <= 0:
+                    raise RuntimeError(f"the SGLang router exited with code {self.router.returncode} while starting")
+                log.warning("the SGLang router exited with code %s while starting: starting it again",
+                            self.router.returncode)
+                self.router = self._spawn(self._router_command())
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self._http.get(f"{self.router_url}/health", timeout=2.0)).status_code == 200:
+                    return
+            await asyncio.sleep(HEALTH_POLL_S)
+        raise TimeoutError(f"the SGLang router at {self.router_url} not healthy after {within_s:.0f}s")
 
     async def _boot(self, e: ManagedEngine) -> None:
         """Wait for engine ``e`` (spawning it when it has no live process) to answer ``/health``."""
