@@ -15,6 +15,7 @@ from services.envs.tictactoe import (
     legal_cells,
     minimax_value,
     parse_move,
+    tactical_moves,
 )
 
 
@@ -133,6 +134,30 @@ def test_minimax_never_loses_to_random(minimax_role: str) -> None:
         assert rewards[minimax_role] >= 0.0, env.summary()
         wins += rewards[minimax_role] == 1.0
     assert wins >= 35
+
+
+def test_tactical_wins_then_blocks_then_plays_anywhere() -> None:
+    assert tactical_moves("xx.oo....", "X") == [3]  # its own win first, though O threatens 6
+    assert tactical_moves("xx.oo....", "O") == [6]
+    assert tactical_moves("xx..o....", "O") == [3]  # no win of its own: block
+    assert tactical_moves("x...o....", "X") == legal_cells("x...o....")  # nothing forced: any empty cell
+    env = TicTacToe({}, seed=0)
+    play(env, ["1", "4", "2"])  # X threatens 3
+    rng = random.Random(0)
+    assert all(env.scripted_reply("O", "tactical", rng) == "3" for _ in range(5))
+
+
+def test_tactical_sits_between_random_and_minimax() -> None:
+    """Against random the tactical player wins most games; against minimax it never wins."""
+    rng = random.Random(5)
+    vs_random = vs_minimax = 0.0
+    for seed in range(60):
+        me, other = ("X", "O") if seed % 2 == 0 else ("O", "X")
+        vs_random += play_scripted(TicTacToe({}, seed=seed), {me: "tactical", other: "random"}, rng)[me]
+        r = play_scripted(TicTacToe({}, seed=seed), {me: "tactical", other: "minimax"}, rng)[me]
+        assert r <= 0.0
+        vs_minimax += r
+    assert vs_random / 60 > 0.5 and vs_minimax / 60 < 0.0
 
 
 def test_minimax_vs_minimax_draws() -> None:

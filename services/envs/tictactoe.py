@@ -31,8 +31,11 @@ Parameters
   from different positions while the G copies of one group share theirs. At
   most 4, so that no opening is already decided.
 
-Scripted players: ``random`` (a uniformly random legal move) and ``minimax``
-(perfect play; among equally good moves it picks with the caller's rng).
+Scripted players: ``random`` (a uniformly random legal move), ``tactical`` (wins
+at once when it can, else blocks the other side's immediate win, else a random
+legal move: a middle opponent that punishes a missed block at once and takes
+back a missed win) and ``minimax`` (perfect play; among equally good moves it
+picks with the caller's rng).
 """
 
 from __future__ import annotations
@@ -102,6 +105,17 @@ def best_moves(board: str, to_move: str) -> list[int]:
     return [cell for v, cell in scored if sign * v == best]
 
 
+def tactical_moves(board: str, to_move: str) -> list[int]:
+    """Cells (1-based) that win at once for ``to_move``; else those that block the other side's immediate
+    win; else every empty cell."""
+    for role in (to_move, "O" if to_move == "X" else "X"):
+        mark = MARKS[role]
+        cells = [i + 1 for i in range(9) if board[i] == "." and winner_of(board[:i] + mark + board[i + 1:]) == role]
+        if cells:
+            return cells
+    return legal_cells(board)
+
+
 class TicTacToeParams(EnvParams):
     opening_moves: int = Field(0, ge=0, le=MAX_OPENING_MOVES, description="random legal moves the episode starts with")
 
@@ -110,7 +124,7 @@ class TicTacToe(Environment[TicTacToeParams]):
     roles: ClassVar[tuple[str, ...]] = ("X", "O")
     description: ClassVar[str] = ("Tic-tac-toe: reply with one digit 1-9 (empty cell, row-major). "
                                   "Win +1, loss -1, draw 0; an illegal reply scores -1 and ends the game.")
-    scripted_players: ClassVar[tuple[str, ...]] = ("random", "minimax")
+    scripted_players: ClassVar[tuple[str, ...]] = ("random", "tactical", "minimax")
     env_name: ClassVar[str] = "tictactoe"
     render_format: ClassVar[str] = "html"
 
@@ -168,6 +182,8 @@ class TicTacToe(Environment[TicTacToeParams]):
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if player == "random":
             return str(rng.choice(legal_cells(self.board)))
+        if player == "tactical":
+            return str(rng.choice(tactical_moves(self.board, role)))
         if player == "minimax":
             return str(rng.choice(best_moves(self.board, role)))
         raise ValueError(f"unknown scripted player {player!r}; choose from {self.scripted_players}")
