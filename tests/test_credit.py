@@ -77,6 +77,23 @@ def test_returns_and_advantages_against_the_group_at_the_same_turn() -> None:
     assert turn_returns(no_turns) == [0.3]  # the episode's reward is one turn
 
 
+def test_a_discount_makes_a_sooner_win_worth_more() -> None:
+    """gamma < 1: G_k = r_k + gamma * G_(k+1); a final-only reward reached in fewer turns is worth more at
+    each turn, so the same win two turns sooner gets the higher advantage."""
+    slow = sample("g", [0.0, 0.0, 1.0], sid="slow")
+    fast = sample("g", [0.0, 1.0], mask=[0, 1, 0, 1], sid="fast")
+    assert turn_returns(slow, 0.9) == pytest.approx([0.81, 0.9, 1.0])
+    assert turn_returns(fast, 0.9) == pytest.approx([0.9, 1.0])
+    assert turn_returns(sample("g", [0.5, -0.1, 1.0]), 0.5) == pytest.approx([0.5 - 0.05 + 0.25, 0.4, 1.0])
+    adv = turn_advantages([slow, fast], normalize_std=False, gamma=0.9)
+    assert adv[1][0] > adv[0][0] and adv[1][0] == pytest.approx(0.045)
+    assert turn_advantages([slow, fast], normalize_std=False) == [[0.0, 0.0, 0.0], [0.0, 0.0]]  # gamma 1: equal
+    with pytest.raises(ValidationError, match="gamma"):
+        AlgorithmConfig(credit="turn", gamma=0.0)
+    with pytest.raises(ValidationError, match="needs credit: turn"):  # it would change nothing: refused
+        AlgorithmConfig(gamma=0.9)
+
+
 def test_token_advantages_line_up_with_the_shifted_loss_mask() -> None:
     a, b = sample("g", [0.1, 0.2, 0.7], sid="a"), sample("g", [0.5, 0.5], mask=[0, 1, 0, 1], sid="b")
     tok = token_advantages([a, b], [[1.0, 2.0, 3.0], [4.0, 5.0]])

@@ -104,6 +104,9 @@ def test_report_means_the_environments_episode_summaries() -> None:
         statistics.mean(s["target"] for s in summaries))  # without measures: every number
     assert summary_means([]) == {} and summary_means([{"a": 1, "b": "x"}, {"a": 3}]) == {"a": 2.0}
     assert summary_means([{"a": 1, "b": 2}, {"a": 3, "b": 4}], ("b",)) == {"b": 3.0}
+    per_role = [{"m": {"X": 1, "O": 0}}, {"m": {"X": 5, "O": 2}}]
+    assert summary_means(per_role, ("m",), ["X", "O"]) == {"m": 1.5}  # the evaluated player's own: 1 and 2
+    assert summary_means(per_role, ("m",)) == {}  # a per-role field without the roles is no number
 
 
 def test_report_counts_illegal_replies_per_episode(tiny_model_dir: Path) -> None:

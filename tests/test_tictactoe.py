@@ -15,6 +15,7 @@ from services.envs.tictactoe import (
     legal_cells,
     minimax_value,
     parse_move,
+    tactical_miss,
     tactical_moves,
 )
 
@@ -145,6 +146,18 @@ def test_tactical_wins_then_blocks_then_plays_anywhere() -> None:
     play(env, ["1", "4", "2"])  # X threatens 3
     rng = random.Random(0)
     assert all(env.scripted_reply("O", "tactical", rng) == "3" for _ in range(5))
+
+
+def test_tactical_misses_are_counted_per_role() -> None:
+    assert tactical_miss("xx.oo....", "X", 7) == "win" and tactical_miss("xx.oo....", "X", 3) is None
+    assert tactical_miss("xx..o....", "O", 9) == "block" and tactical_miss("xx..o....", "O", 3) is None
+    assert tactical_miss("xx.xo...o", "O", 6) is None  # a fork: two threats, no move stops both
+    assert tactical_miss("x...o....", "X", 9) is None  # nothing forced
+    env = TicTacToe({}, seed=0)
+    play(env, ["1", "4", "2", "9"])  # O does not block 3
+    assert env.summary()["missed_blocks"] == {"X": 0, "O": 1}
+    play(env, ["5"])  # X could win at 3 and plays 5 (now threatening 3 and 9 ... 9 is O's: only 3)
+    assert env.summary()["missed_wins"] == {"X": 1, "O": 0}
 
 
 def test_tactical_sits_between_random_and_minimax() -> None:

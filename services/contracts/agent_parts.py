@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # the trainer's registry (services/training/algorithms) holds exactly these; plug-ins: package.module:Class
@@ -39,6 +39,8 @@ class AlgorithmConfig(Strict):
         "episode", description="episode: one advantage for all of a sample's tokens (its reward against its group's); "
         "turn: each generated turn's tokens get their own, the turn's return-to-go (Sample.turn_rewards from that turn "
         "on) against the group's samples at the same turn (grpo, dr_grpo, ppo, reinforce_pp*, cispo)")
+    gamma: float = Field(1.0, gt=0, le=1, description="credit: turn: the discount of the return-to-go, G_k = sum over "
+                         "j >= k of gamma^(j-k) r_j (below 1, a reward earned sooner is worth more)")
     dual_clip_c: float = Field(3.0, gt=1, description="ppo: dual-clip bound on negative-advantage tokens")
     norm_tokens: int = Field(0, ge=0, description="dr_grpo: loss = token sum / (sequences x norm_tokens); "
                                                    "0 = the batch's padded length")
@@ -66,6 +68,12 @@ class AlgorithmConfig(Strict):
             raise ValueError(f"unknown algorithm {v!r}; available: {', '.join(BUILTIN_ALGORITHMS)} "
                              f"(or a plug-in package.module:Class)")
         return v
+
+    @model_validator(mode="after")
+    def _gamma_needs_turn_credit(self) -> AlgorithmConfig:
+        if self.gamma < 1 and self.credit != "turn":
+            raise ValueError("gamma < 1 discounts the return per turn: it needs credit: turn")
+        return self
 
 
 class SGLangEngineConfig(Strict):

@@ -148,7 +148,8 @@ def legal_mass(model: Any, examples: list[Example], pad_id: int, batch_size: int
 async def score_vs_scripted(players: EnginePlayers, agent: str, games: int, temperature: float,
                             opponent: str = "random", max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, float]:
     """Score of ``agent`` vs a scripted player (win 1, draw .5, loss or illegal 0), half the games as each
-    side, played through services/play's held-out evaluation; plus its legal-move rate."""
+    side, played through services/play's held-out evaluation; plus its legal-move rate and its missed wins
+    and blocks per game."""
     env_cfg = EnvironmentConfig(name="tictactoe", roles={"X": agent, "O": agent}, alternate_roles=True)
     player = AgentPlayer(agent=agent)
 
@@ -158,11 +159,12 @@ async def score_vs_scripted(players: EnginePlayers, agent: str, games: int, temp
 
     results = await play_eval(TicTacToe, env_cfg, player, ["X", "O"], opponent, games,
                               SamplingParams(max_new_tokens=max_new_tokens), temperature, play)
-    scores = score(results, ["X", "O"], opponent)
+    scores = score(results, ["X", "O"], opponent, TicTacToe.summary_measures)
     moves = sum(len(r.views[mine].weight_versions) for mine, r in results)
     illegal = sum(1 for mine, r in results if r.summary.get("illegal") and r.transcript[-1]["role"] == mine)
     return {"score": scores["score"], "score_X": scores["per_role"]["X"], "score_O": scores["per_role"]["O"],
-            "legal_rate": 1.0 - illegal / max(moves, 1), "illegal_games": illegal / games}
+            "legal_rate": 1.0 - illegal / max(moves, 1), "illegal_games": illegal / games,
+            **scores["summary_means"]}
 
 
 def eval_model(model_dir: str | Path, games: int, temperature: float, opponent: str = "random",

@@ -31,6 +31,12 @@ Parameters
   from different positions while the G copies of one group share theirs. At
   most 4, so that no opening is already decided.
 
+Measures (``summary``, per role; evaluations average the evaluated player's):
+``missed_wins``, moves that could have won at once and did not; ``missed_blocks``,
+moves with no win of their own that left the other side a win on its next move
+which one cell could have stopped (a fork, two such cells, is not counted: no
+move stops it).
+
 Scripted players: ``random`` (a uniformly random legal move), ``tactical`` (wins
 at once when it can, else blocks the other side's immediate win, else a random
 legal move: a middle opponent that punishes a missed block at once and takes
@@ -105,15 +111,30 @@ def best_moves(board: str, to_move: str) -> list[int]:
     return [cell for v, cell in scored if sign * v == best]
 
 
+def winning_cells(board: str, role: str) -> list[int]:
+    """Empty cells (1-based) that would give ``role`` three in a row."""
+    mark = MARKS[role]
+    return [i + 1 for i in range(9) if board[i] == "." and winner_of(board[:i] + mark + board[i + 1:]) == role]
+
+
 def tactical_moves(board: str, to_move: str) -> list[int]:
     """Cells (1-based) that win at once for ``to_move``; else those that block the other side's immediate
     win; else every empty cell."""
     for role in (to_move, "O" if to_move == "X" else "X"):
-        mark = MARKS[role]
-        cells = [i + 1 for i in range(9) if board[i] == "." and winner_of(board[:i] + mark + board[i + 1:]) == role]
+        cells = winning_cells(board, role)
         if cells:
             return cells
     return legal_cells(board)
+
+
+def tactical_miss(board: str, role: str, cell: int) -> str | None:
+    """``"win"`` if ``role`` could have won at once on ``board`` and ``cell`` does not; ``"block"`` if it could
+    not, the other side threatens one cell only and ``cell`` is not it; else None."""
+    wins = winning_cells(board, role)
+    if wins:
+        return None if cell in wins else "win"
+    threats = winning_cells(board, "O" if role == "X" else "X")
+    return "block" if len(threats) == 1 and cell not in threats else None
 
 
 class TicTacToeParams(EnvParams):
@@ -127,6 +148,7 @@ class TicTacToe(Environment[TicTacToeParams]):
     scripted_players: ClassVar[tuple[str, ...]] = ("random", "tactical", "minimax")
     env_name: ClassVar[str] = "tictactoe"
     render_format: ClassVar[str] = "html"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("missed_wins", "missed_blocks")
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -137,6 +159,7 @@ class TicTacToe(Environment[TicTacToeParams]):
         self.winner: str | None = None
         self.illegal = False
         self.illegal_reply: str | None = None
+        self.missed = {kind: dict.fromkeys(self.roles, 0) for kind in ("win", "block")}
         self.opening_moves = self.params.opening_moves
         for _ in range(self.opening_moves):
             self._play(self.rng.choice(legal_cells(self.board)))
@@ -167,6 +190,9 @@ class TicTacToe(Environment[TicTacToeParams]):
             why = "unparseable" if cell is None else "occupied"
             return StepResult(done=True, rewards={role: -1.0, other: 0.0},
                               info={"illegal": why, "reply": reply[:32]})
+        miss = tactical_miss(self.board, role, cell)
+        if miss is not None:
+            self.missed[miss][role] += 1
         self._play(cell)
         won = winner_of(self.board)
         if won is not None:
@@ -191,7 +217,8 @@ class TicTacToe(Environment[TicTacToeParams]):
     def summary(self) -> dict[str, Any]:
         return {"board": self.board, "winner": self.winner, "illegal": self.illegal,
                 "moves": list(self.moves), "opening_moves": self.opening_moves,
-                "illegal_reply": self.illegal_reply}
+                "illegal_reply": self.illegal_reply, "missed_wins": dict(self.missed["win"]),
+                "missed_blocks": dict(self.missed["block"])}
 
     @classmethod
     def render(cls, state: dict[str, Any]) -> str | None:

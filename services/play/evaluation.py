@@ -136,16 +136,23 @@ def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: 
             "illegal_reply_rate": invalid_replies / replies if replies else None,
             "mean_reward": sum(rewards) / max(len(rewards), 1),
             "per_role": {r: (sum(xs) / len(xs) if xs else None) for r, xs in per_role.items()},
-            "summary_means": summary_means([r.summary for _, r in results], measures)}
+            "summary_means": summary_means([r.summary for _, r in results], measures,
+                                           [mine for mine, _ in results])}
 
 
-def summary_means(summaries: list[dict[str, Any]], measures: Sequence[str] | None = None) -> dict[str, float]:
+def summary_means(summaries: list[dict[str, Any]], measures: Sequence[str] | None = None,
+                  roles: Sequence[str] | None = None) -> dict[str, float]:
     """The mean over episodes of each number or yes/no of the environment's summaries that every one of
-    them has (True counts 1); only the fields in ``measures`` when given."""
-    keys = [k for k, v in (summaries[0] if summaries else {}).items()
-            if isinstance(v, int | float) and (measures is None or k in measures)]
-    common = [k for k in keys if all(isinstance(s.get(k), int | float) for s in summaries)]
-    return {k: sum(float(s[k]) for s in summaries) / len(summaries) for k in common}
+    them has (True counts 1); only the fields in ``measures`` when given. With ``roles`` (the evaluated
+    player's role in each episode), a field that maps roles to numbers (tic-tac-toe's ``missed_wins``)
+    counts that player's number."""
+    def value(s: dict[str, Any], k: str, i: int) -> Any:
+        v = s.get(k)
+        return v.get(roles[i]) if isinstance(v, dict) and roles is not None else v
+
+    keys = [k for k in (summaries[0] if summaries else {}) if measures is None or k in measures]
+    common = [k for k in keys if all(isinstance(value(s, k, i), int | float) for i, s in enumerate(summaries))]
+    return {k: sum(float(value(s, k, i)) for i, s in enumerate(summaries)) / len(summaries) for k in common}
 
 
 def opponent_label(opponent: str | dict[str, str]) -> str:

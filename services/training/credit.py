@@ -2,7 +2,8 @@
 
 One reward per episode gives every token of a multi-turn sample the same advantage: a good first guess and a
 bad late one are pushed alike. With per-turn credit each generated turn k of a sample gets its own advantage
-from its return-to-go G_k (``Sample.turn_rewards`` from turn k on; G_0 is the sample's reward), against the
+from its return-to-go G_k (``Sample.turn_rewards`` from turn k on, discounted by ``algorithm.gamma`` per turn;
+with gamma 1, G_0 is the sample's reward), against the
 samples of its group that also reached a turn k: (G_k - their mean) [/ their std]. A sample without
 ``turn_rewards`` counts as one turn (all its tokens get G_0's advantage, exactly the episode credit's). The
 per-token tensor lines up with ``services.training.step.pad_batch``'s shifted mask (token p at index p - 1).
@@ -18,18 +19,20 @@ import torch
 from services.contracts.messages import Sample, turn_spans
 
 
-def turn_returns(sample: Sample) -> list[float]:
-    """G_k for each generated turn k: what the sample earned from that turn on ([reward] without turn rewards)."""
+def turn_returns(sample: Sample, gamma: float = 1.0) -> list[float]:
+    """G_k for each generated turn k: what the sample earned from that turn on, each later turn's reward
+    discounted by ``gamma`` per turn ([reward] without turn rewards)."""
     out, acc = [], 0.0
     for r in reversed(sample.turn_rewards or [sample.reward]):
-        acc += r
+        acc = r + gamma * acc
         out.append(acc)
     return out[::-1]
 
 
-def turn_advantages(samples: list[Sample], normalize_std: bool = True, eps: float = 1e-6) -> list[list[float]]:
+def turn_advantages(samples: list[Sample], normalize_std: bool = True, eps: float = 1e-6,
+                    gamma: float = 1.0) -> list[list[float]]:
     """Per sample and turn: (G_k - mean) [/ std] over the group's samples that reached a turn k."""
-    returns = [turn_returns(s) for s in samples]
+    returns = [turn_returns(s, gamma) for s in samples]
     peers: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s, gs in zip(samples, returns, strict=True):
         for k, g in enumerate(gs):

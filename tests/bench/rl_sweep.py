@@ -22,9 +22,10 @@ Both agents are scored before training and every ``--eval-every`` steps against 
 ``--eval-opponents`` (default ``random`` and ``minimax``: perfect play, random tie-breaks) at each
 of ``--eval-temps``, by services/play's held-out evaluation (``play_eval`` + ``score``: win 1, draw
 .5, loss or illegal 0; half the games as X, half as O; the same seeded episodes every time): the
-score with its standard error, wins/draws/losses and the illegal-move rate (episodes in which the
-agent's reply was illegal). ``--out`` keeps every evaluation; ``summarize`` below turns the runs of
-several seeds into the mean ± standard error across seeds of each curve's start and end.
+score with its standard error, wins/draws/losses, the illegal-move rate (episodes in which the
+agent's reply was illegal) and its missed wins and blocks per game. ``--out`` keeps every evaluation;
+``summarize`` below turns the runs of several seeds into the mean ± standard error across seeds of
+each curve's start and end.
 
     python tests/bench/rl_sweep.py --model models/demo-ttt --steps 12 --groups 16 --minibatches 2 --seeds 0 1
 """
@@ -62,7 +63,8 @@ from services.training.torch_backend import TorchPolicy  # noqa: E402
 AGENTS = ("A", "B")
 # Options added after callers (tests/bench/bench_system.py) built their own Namespace: read with ``opt``.
 DEFAULTS: dict[str, Any] = {"train_vs": ["partner"], "matchups": [], "eval_opponents": ["random", "minimax"],
-                            "entropy_coef": 0.0, "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant"}
+                            "entropy_coef": 0.0, "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant",
+                            "credit": "episode", "gamma": 1.0}
 
 
 def opt(args: argparse.Namespace, name: str) -> Any:
@@ -95,9 +97,11 @@ def group_roles(args: argparse.Namespace, step: int, g: int) -> dict[str, Player
 async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int, step: int,
                     ) -> list[tuple[str, EpisodeResult]]:
     """All groups of one step at once; (group id, result) per episode."""
-    params = {"opening_moves": args.opening_moves} if args.opening_moves else {}
+    openings = args.opening_moves if isinstance(args.opening_moves, list) else [args.opening_moves]
     jobs = []
     for g in range(args.groups):
+        k = openings[(step * args.groups + g) % len(openings)]
+        params = {"opening_moves": k} if k else {}
         roles = group_roles(args, step, g)
         env_seed = seed * 1_000_000 + step * 1000 + g
         for n, env in enumerate(TicTacToe.make_group(params, env_seed, args.G)):
@@ -139,7 +143,7 @@ async def score_agent(players: EnginePlayers, agent: str, opponent: str, games: 
 
     results = await play_eval(TicTacToe, env_cfg, AgentPlayer(agent=agent), ["X", "O"], opponent, games,
                               SamplingParams(max_new_tokens=MAX_NEW_TOKENS), temperature, play)
-    return score(results, ["X", "O"], opponent)
+    return score(results, ["X", "O"], opponent, TicTacToe.summary_measures)
 
 
 async def evaluate(players: EnginePlayers, games: int, temps: list[float], opponents: list[str]) -> dict[str, Any]:
@@ -151,7 +155,9 @@ async def evaluate(players: EnginePlayers, games: int, temps: list[float], oppon
                 r = await score_agent(players, name, o, games, t)
                 out[f"{name}@{o}@T{t:g}"] = {"score": round(r["score"], 4), "se": round(r["score_se"] or 0.0, 4),
                                              "illegal": round(r["illegal_rate"], 4),
-                                             "wdl": [r["wins"], r["draws"], r["losses"]]}
+                                             "wdl": [r["wins"], r["draws"], r["losses"]],
+                                             "missed_wins_blocks": [round(r["summary_means"].get(k, 0.0), 3) for k in
+                                                                    ("missed_wins", "missed_blocks")]}
     return out
 
 
@@ -162,6 +168,7 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                            epochs=args.epochs, minibatches=args.minibatches, max_grad_norm=args.max_grad_norm,
                            normalize_std=not args.no_std, entropy_coef=opt(args, "entropy_coef"),
                            kl_coef=opt(args, "kl_coef"), lr_scheduler=opt(args, "lr_scheduler"),
+                           credit=opt(args, "credit"), gamma=opt(args, "gamma"),
                            decay_steps=max(args.steps * args.minibatches * args.epochs, 1))
     policies = {name: TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + i),
                                   temperature=opt(args, "temperature")) for i, name in enumerate(AGENTS)}
@@ -226,7 +233,8 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=1)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--no-std", action="store_true", help="do not divide advantages by the group std")
-    ap.add_argument("--opening-moves", type=int, default=0)
+    ap.add_argument("--opening-moves", type=int, nargs="+", default=[0],
+                    help="random opening moves of each group, cycled over the run's groups (e.g. 0 2 4)")
     ap.add_argument("--eval-games", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-temps", nargs="+", default=["1", "0"])
@@ -236,6 +244,8 @@ def main() -> None:
                     help="training opponents cycled over a step's groups (partner: A vs B)")
     ap.add_argument("--matchups", nargs="+", default=[], help="environment.matchups, each X=A,O=scripted:minimax "
                     "(cycled over the run's groups, seats alternating; replaces --train-vs)")
+    ap.add_argument("--credit", choices=["episode", "turn"], default="episode", help="algorithm.credit")
+    ap.add_argument("--gamma", type=float, default=1.0, help="algorithm.gamma (credit: turn)")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")

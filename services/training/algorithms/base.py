@@ -159,7 +159,7 @@ class Algorithm:
 
     def per_token_advantages(self, samples: list[Sample]) -> torch.Tensor:
         """Per-turn credit (services/training/credit.py), normalised as ``advantages`` is."""
-        return token_advantages(samples, turn_advantages(samples, self.cfg.normalize_std))
+        return token_advantages(samples, turn_advantages(samples, self.cfg.normalize_std, gamma=self.cfg.gamma))
 
     def split(self, n: int) -> list[list[int]]:
         return chunks(n, self.cfg.minibatches)

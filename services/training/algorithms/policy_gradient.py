@@ -66,7 +66,7 @@ class DrGRPO(Algorithm):
         return group_advantages([s.reward for s in samples], [s.group_id for s in samples], normalize_std=False)
 
     def per_token_advantages(self, samples: list[Sample]) -> torch.Tensor:
-        return token_advantages(samples, turn_advantages(samples, normalize_std=False))
+        return token_advantages(samples, turn_advantages(samples, normalize_std=False, gamma=self.cfg.gamma))
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         per_tok, stats = ppo_token_losses(x, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
