@@ -98,6 +98,15 @@ def test_occupied_cell_is_format_penalty() -> None:
     assert result.info["illegal"] == "occupied"
 
 
+def test_illegal_reward_can_make_an_illegal_move_worse_than_a_loss() -> None:
+    result = play(TicTacToe({"illegal_reward": -2.0}, seed=0), ["5", "1", "1"])
+    assert result.rewards == {"X": -2.0, "O": 0.0}
+    assert score_for(result.rewards, "X") == 0.0  # evaluations still score it as a loss
+    for bad in (-0.5, 0.0, -11.0, "-2"):
+        with pytest.raises(EnvParamError, match="illegal_reward"):
+            TicTacToe({"illegal_reward": bad}, seed=0)
+
+
 def test_wrong_turn_and_after_end_raise() -> None:
     env = TicTacToe({}, seed=0)
     with pytest.raises(ValueError, match="turn"):

@@ -21,11 +21,14 @@ Rewards (final, per role)
 -------------------------
 * win +1, loss -1, draw 0 for both;
 * format penalty: a reply that is not a single digit 1-9, or names an occupied
-  cell, is illegal. The episode ends at once; the role that replied gets -1
-  and the other role 0 (it neither won nor lost).
+  cell, is illegal. The episode ends at once; the role that replied gets
+  ``illegal_reward`` (default -1, as a loss) and the other role 0 (it neither
+  won nor lost).
 
 Parameters
 ----------
+* ``illegal_reward`` (float, -10 to -1, default -1): below -1 an illegal reply
+  is worse than a loss, so a losing policy still gains by staying legal.
 * ``opening_moves`` (int, 0-4, default 0): the episode starts with that many
   random legal moves drawn from the seed, so groups with different seeds start
   from different positions while the G copies of one group share theirs. At
@@ -139,6 +142,8 @@ def tactical_miss(board: str, role: str, cell: int) -> str | None:
 
 class TicTacToeParams(EnvParams):
     opening_moves: int = Field(0, ge=0, le=MAX_OPENING_MOVES, description="random legal moves the episode starts with")
+    illegal_reward: float = Field(-1.0, ge=-10.0, le=-1.0, description="the reward of an illegal reply (a loss is -1; "
+                                  "below -1 an illegal move is worse than losing; evaluations score it as a loss)")
 
 
 class TicTacToe(Environment[TicTacToeParams]):
@@ -188,7 +193,7 @@ class TicTacToe(Environment[TicTacToeParams]):
             self.illegal = True
             self.illegal_reply = reply[:32]
             why = "unparseable" if cell is None else "occupied"
-            return StepResult(done=True, rewards={role: -1.0, other: 0.0},
+            return StepResult(done=True, rewards={role: self.params.illegal_reward, other: 0.0},
                               info={"illegal": why, "reply": reply[:32]})
         miss = tactical_miss(self.board, role, cell)
         if miss is not None:

@@ -101,7 +101,8 @@ async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int,
     jobs = []
     for g in range(args.groups):
         k = openings[(step * args.groups + g) % len(openings)]
-        params = {"opening_moves": k} if k else {}
+        params = {**{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in getattr(args, "env_param", []))},
+                  **({"opening_moves": k} if k else {})}
         roles = group_roles(args, step, g)
         env_seed = seed * 1_000_000 + step * 1000 + g
         for n, env in enumerate(TicTacToe.make_group(params, env_seed, args.G)):
@@ -244,6 +245,7 @@ def main() -> None:
                     help="training opponents cycled over a step's groups (partner: A vs B)")
     ap.add_argument("--matchups", nargs="+", default=[], help="environment.matchups, each X=A,O=scripted:minimax "
                     "(cycled over the run's groups, seats alternating; replaces --train-vs)")
+    ap.add_argument("--env-param", nargs="+", default=[], help="environment.params for training, key=value")
     ap.add_argument("--credit", choices=["episode", "turn"], default="episode", help="algorithm.credit")
     ap.add_argument("--gamma", type=float, default=1.0, help="algorithm.gamma (credit: turn)")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
