@@ -118,6 +118,31 @@ async def test_spill_crash_windows(redis_url: str, tmp_path: Path) -> None:
     await bus.close()
 
 
+async def test_a_spill_between_the_two_reads_loses_no_record(redis_url: str, tmp_path: Path) -> None:
+    """The trainer spills while the coordinator reads its log (a restore after a kill): the spill moves
+    versions 1-4 to the archive just before the read reaches Redis. Every version is still read."""
+    bus = Bus(redis_url, "bound-spill-race", "trainer-A")
+    r, s = bus.redis, bus.streams
+    records = [{"version": v, "batch_id": f"b{v}", "sample_ids": [f"s{v}"]} for v in range(1, 9)]
+    await r.rpush(s.train_log("A"), *[json.dumps(x) for x in records])
+    archive = tmp_path / "train_log.jsonl"
+    spill = TrainLogSpill(r, s, "A", archive, kept=4)
+
+    class SpillFirst:  # the real client; its first read of the log waits for a spill to commit
+        def __init__(self) -> None:
+            self.spilled = False
+
+        async def lrange(self, *args: object) -> list[bytes]:
+            if not self.spilled:
+                self.spilled = True
+                assert await spill.spill(force=True) == 4
+            return await r.lrange(*args)
+
+    versions = [rec["version"] for rec in await read_train_log(SpillFirst(), s, "A", archive)]
+    assert versions == list(range(1, 9)) and archive.exists()
+    await bus.close()
+
+
 async def test_ledger_prune_restart_and_replay(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = config(tmp_path, tiny_model_dir, "bound-ledger", state_kept_steps=4)
     bus = Bus(redis_url, cfg.run.name, "coordinator")

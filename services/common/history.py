@@ -6,7 +6,8 @@ append-only JSONL file, and readers join the file with what Redis still holds.
   last one can be torn, and its record is still in Redis: it is archived again by the next spill).
 * The trainer's log (``Streams.train_log``): ``TrainLogSpill`` keeps the newest ``kept`` records in Redis and
   appends older ones to ``<checkpoint_root>/<run>/<agent>/train_log.jsonl`` (beside the checkpoints the
-  records name, where the rollout and the coordinator already read). Its trained-sample ids leave the
+  records name, where the rollout and the coordinator already read; readers read Redis first, then the
+  file). Its trained-sample ids leave the
   trained-sample set (``Streams.trained_samples``) in the same transaction that trims the records: the set
   always holds exactly the samples of the records still in Redis. Why that is safe is in ``TrainLogSpill``.
 * Order of a spill: archive (fsynced), then trim Redis (one transaction). A crash between them archives
@@ -67,12 +68,13 @@ def train_log_archive(checkpoint_root: str | Path, run: str, agent: str) -> Path
 
 
 async def read_train_log(redis: Any, streams: Streams, agent: str, archive: Path) -> list[dict[str, Any]]:
-    """Every committed record of the agent's trainer, by version: the archive's, then the ones in Redis."""
+    """Every committed record of the agent's trainer, by version: the ones in Redis, then the archive's.
+
+    Redis first: a spill archives before it trims, so a record trimmed before the Redis read is already in
+    the archive read after it. The other order loses the records a spill moves between the two reads."""
+    in_redis = [json.loads(raw) for raw in await redis.lrange(streams.train_log(agent), 0, -1)]
     by_version: dict[int, dict[str, Any]] = {}
-    for rec in await asyncio.to_thread(lambda: list(read_jsonl(archive))):
-        by_version[int(rec["version"])] = rec
-    for raw in await redis.lrange(streams.train_log(agent), 0, -1):
-        rec = json.loads(raw)
+    for rec in [*await asyncio.to_thread(lambda: list(read_jsonl(archive))), *in_redis]:
         by_version[int(rec["version"])] = rec
     return [by_version[v] for v in sorted(by_version)]
 
