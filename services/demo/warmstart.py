@@ -79,8 +79,15 @@ class Example:
     targets: list[tuple[int, list[int]]]
 
 
-def random_game_examples(tokenizer: Any, rng: random.Random, seed: int) -> list[Example]:
-    """Play one random-vs-random game; return one example per role that moved."""
+def legal_targets(board: str, role: str) -> list[int]:
+    """The warm start's move targets: every legal cell (the expected label of a random player)."""
+    return legal_cells(board)
+
+
+def random_game_examples(tokenizer: Any, rng: random.Random, seed: int,
+                         target_cells: Callable[[str, str], list[int]] = legal_targets) -> list[Example]:
+    """Play one random-vs-random game; return one example per role that moved, each move's target the
+    uniform distribution over ``target_cells(board, role)`` (tests/bench/ttt_capacity.py: minimax's best)."""
     env = TicTacToe({}, seed)
     eos = tokenizer.eos_token_id
     digit_ids = {c: tokenizer.encode(str(c), add_special_tokens=False) for c in range(1, 10)}
@@ -91,10 +98,9 @@ def random_game_examples(tokenizer: Any, rng: random.Random, seed: int) -> list[
             role = env.current_role()
             ex = examples[role]
             ex.tokens += user_turn(tokenizer, env.observation(role))
-            legal = legal_cells(env.board)
-            cell = rng.choice(legal)
+            cell = rng.choice(legal_cells(env.board))
             reply = digit_ids[cell]
-            ex.targets.append((len(ex.tokens), sorted({digit_ids[c][0] for c in legal})))
+            ex.targets.append((len(ex.tokens), sorted({digit_ids[c][0] for c in target_cells(env.board, role)})))
             ex.tokens += reply
             ex.targets.extend((len(ex.tokens) - len(reply) + i, [t]) for i, t in enumerate(reply[1:], 1))
             ex.targets.append((len(ex.tokens), [eos]))

@@ -149,7 +149,8 @@ class TicTacToeParams(EnvParams):
 class TicTacToe(Environment[TicTacToeParams]):
     roles: ClassVar[tuple[str, ...]] = ("X", "O")
     description: ClassVar[str] = ("Tic-tac-toe: reply with one digit 1-9 (empty cell, row-major). "
-                                  "Win +1, loss -1, draw 0; an illegal reply scores -1 and ends the game.")
+                                  "Win +1, loss -1, draw 0; an illegal reply ends the game and scores "
+                                  "illegal_reward (default -1).")
     scripted_players: ClassVar[tuple[str, ...]] = ("random", "tactical", "minimax")
     env_name: ClassVar[str] = "tictactoe"
     render_format: ClassVar[str] = "html"

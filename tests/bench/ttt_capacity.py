@@ -13,7 +13,6 @@ stops near 0.8").
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -33,37 +32,12 @@ from services.demo.warmstart import (  # noqa: E402
     DEFAULT_HIDDEN,
     DEFAULT_LAYERS,
     DEFAULT_LR,
-    Example,
     collate,
     eval_model,
+    random_game_examples,
     train_supervised,
-    user_turn,
 )
-from services.envs.tictactoe import TicTacToe, best_moves, legal_cells  # noqa: E402
-
-
-def best_move_examples(tokenizer: Any, rng: random.Random, seed: int) -> list[Example]:
-    """One random-vs-random game; each role's moves targeted at minimax's best moves."""
-    env = TicTacToe({}, seed)
-    eos = tokenizer.eos_token_id
-    digit = {c: tokenizer.encode(str(c), add_special_tokens=False)[0] for c in range(1, 10)}
-    examples = {role: Example([], []) for role in env.roles}
-    loop = asyncio.new_event_loop()
-    try:
-        while True:
-            role = env.current_role()
-            ex = examples[role]
-            ex.tokens += user_turn(tokenizer, env.observation(role))
-            ex.targets.append((len(ex.tokens), sorted({digit[c] for c in best_moves(env.board, role)})))
-            cell = rng.choice(legal_cells(env.board))
-            ex.tokens.append(digit[cell])
-            ex.targets.append((len(ex.tokens), [eos]))
-            ex.tokens.append(eos)
-            if loop.run_until_complete(env.step(role, str(cell))).done:
-                break
-    finally:
-        loop.close()
-    return [ex for ex in examples.values() if ex.targets]
+from services.envs.tictactoe import best_moves  # noqa: E402
 
 
 def main() -> None:
@@ -82,7 +56,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     rng = random.Random(args.seed)
-    data = [ex for g in range(args.games) for ex in best_move_examples(tokenizer, rng, args.seed * 1_000_003 + g)]
+    data = [ex for g in range(args.games)
+            for ex in random_game_examples(tokenizer, rng, args.seed * 1_000_003 + g, best_moves)]
     losses = train_supervised(model, data, lambda b: collate(b, tokenizer.pad_token_id, model.config.vocab_size),
                               args.epochs, DEFAULT_LR, 8, args.seed)
     model.save_pretrained(out, safe_serialization=True)
