@@ -82,8 +82,9 @@ def descendants(pid: int) -> dict[int, str]:
     return out
 
 
-def victim(launcher: int, kind: str, agent: str) -> int:
-    """The pid to SIGKILL for ``kind`` (of ``agent`` where it has one)."""
+def victim(launcher: int, kind: str, agent: str) -> int | None:
+    """The pid to SIGKILL for ``kind`` (of ``agent`` where it has one); None while there is none (a service
+    the launcher is restarting after an earlier kill, or one whose agent has finished)."""
     procs = descendants(launcher)
     if kind == "redis":
         wanted = lambda cmd: "valkey" in cmd or "redis-server" in cmd  # noqa: E731
@@ -94,8 +95,7 @@ def victim(launcher: int, kind: str, agent: str) -> int:
                  "trainer": ("services.trainer", f"--agent {agent}")}[kind]
         wanted = lambda cmd: all(p in cmd for p in parts)  # noqa: E731
     found = [pid for pid, cmd in procs.items() if wanted(cmd)]
-    assert found, f"no {kind} process of {agent} under the launcher: {procs}"
-    return found[0]
+    return found[0] if found else None
 
 
 def redis_url(launcher: int) -> str:
@@ -149,12 +149,19 @@ def kill_and_measure(proc, obs: Observer, kind: str, agent: str, rng: random.Ran
     the run has steps left, the next training step: of ``agent`` for a per-agent service, of either agent for
     the coordinator and Valkey. Returns the seconds to each."""
     time.sleep(rng.uniform(0.0, 3.0))
-    pid = victim(proc.pid, kind, agent)
     scope = AGENTS if kind in ("coordinator", "redis") else (agent,)
+    got: dict[str, float | None] = {"sample_s": None, "step_s": None}
+    deadline = time.monotonic() + 60
+    while (pid := victim(proc.pid, kind, agent)) is None:  # being restarted: wait for it
+        steps = obs.steps(scope)
+        if steps is not None and steps >= TOTAL_STEPS * len(scope):
+            return got  # the victim's agents have finished and their services exited
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            f"no {kind} process of {agent} under the launcher: {descendants(proc.pid)}"
+        time.sleep(0.2)
     steps_before = obs.steps(scope)
     os.kill(pid, signal.SIGKILL)
     killed, kill_ms = time.monotonic(), int(time.time() * 1000)
-    got: dict[str, float | None] = {"sample_s": None, "step_s": None}
     if steps_before is not None and steps_before >= TOTAL_STEPS * len(scope):
         return got  # the victim's agents had trained their last step (B, a version ahead, can finish first)
     while time.monotonic() - killed < 240:
