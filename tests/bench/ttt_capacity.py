@@ -4,8 +4,8 @@ The same tiny model and warm-start loop as ``services/demo/warmstart.py`` (rando
 each role's view rendered as the coordinator renders it), but each move's target is the uniform
 distribution over minimax's best moves instead of over the legal cells. Its greedy play against
 ``random``, ``tactical`` and ``minimax`` (services/play's held-out evaluation) bounds what the
-model's size allows; the RL demo is compared with it in the README ("Why the score against random
-stops near 0.8").
+model's size allows; the RL demo is compared with it in the README ("What got the long demo past
+0.85").
 
     python tests/bench/ttt_capacity.py --games 3000 --epochs 12 [--hidden 64 --layers 2]
 """
