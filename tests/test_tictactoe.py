@@ -7,7 +7,11 @@ import random
 
 import pytest
 
+from services.contracts.config import EnvironmentConfig
+from services.contracts.messages import SamplingParams
+from services.contracts.players import Scripted
 from services.envs.base import EnvParamError, StepResult, score_for
+from services.envs.params import describe, unshaped
 from services.envs.registry import load_environment
 from services.envs.tictactoe import (
     TicTacToe,
@@ -18,6 +22,8 @@ from services.envs.tictactoe import (
     tactical_miss,
     tactical_moves,
 )
+from services.play.episode import play_episode
+from services.play.evaluation import play_eval, score
 
 
 def play(env: TicTacToe, replies: list[str]) -> StepResult:
@@ -214,3 +220,39 @@ def test_bad_opening_moves_named(params: dict[str, object]) -> None:
 def test_unknown_param_named() -> None:
     with pytest.raises(EnvParamError, match="board_size"):
         TicTacToe.check_params({"board_size": 4})
+
+
+def test_tactic_penalty_charges_the_move_that_misses_a_win_or_the_block() -> None:
+    env = TicTacToe({"tactic_penalty": 0.5}, seed=0)
+    assert play(env, ["1", "5", "2"]).turn_rewards == {}  # X threatens 3
+    missed_block = play(env, ["9"])  # O neither wins nor blocks 3
+    assert missed_block.turn_rewards == {"O": -0.5} and not missed_block.done
+    missed_win = play(env, ["4"])  # X could have won at 3
+    assert missed_win.turn_rewards == {"X": -0.5}
+    assert env.summary()["missed_blocks"] == {"X": 0, "O": 1} and env.summary()["missed_wins"] == {"X": 1, "O": 0}
+    assert play(TicTacToe({}, seed=0), ["1", "5", "2", "9"]).turn_rewards == {}  # unshaped by default
+    with pytest.raises(EnvParamError, match="tactic_penalty"):
+        TicTacToe({"tactic_penalty": 1.5}, seed=0)
+
+
+def test_evaluations_play_the_game_unshaped() -> None:
+    """A shaped reward would turn a draw with a missed win into a "loss" (outcome compares rewards): evaluations
+    build the environment without the shaping parameters and keep the others."""
+    assert unshaped(TicTacToe.Params, {"tactic_penalty": 0.5, "illegal_reward": -2.0}) == {"illegal_reward": -2.0}
+    assert any("[shaping" in line for line in describe(TicTacToe.Params) if line.startswith("tactic_penalty"))
+    seen: list[tuple[float, float]] = []
+
+    async def play_one(env, gid, roles, sampling, rng):  # type: ignore[no-untyped-def]
+        seen.append((env.params.tactic_penalty, env.params.illegal_reward))
+        return await play_episode(env, gid, gid, roles, {}, sampling, None, "eval", rng, {})
+
+    def report(params: dict[str, float]) -> dict[str, int]:
+        cfg = EnvironmentConfig(name="tictactoe", params=params, roles={"X": "A", "O": "B"})
+        results = asyncio.run(play_eval(TicTacToe, cfg, Scripted(name="random"), ["X", "O"], "tactical", 40,
+                                        SamplingParams(), 0.0, play_one))
+        r = score(results, ["X", "O"], "tactical")
+        return {k: r[k] for k in ("wins", "draws", "losses")}
+
+    plain = report({"illegal_reward": -2.0})
+    assert report({"illegal_reward": -2.0, "tactic_penalty": 1.0}) == plain and sum(plain.values()) == 40
+    assert set(seen) == {(0.0, -2.0)}

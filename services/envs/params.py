@@ -1,6 +1,7 @@
 """Environment parameters as pydantic models: each environment declares ``Params`` (a subclass of
 ``EnvParams``); ``validate`` turns a validation error into an ``EnvParamError`` naming the parameter,
-and ``describe`` lists the parameters for ``tandem envs``."""
+``describe`` lists the parameters for ``tandem envs``, and ``unshaped`` drops the reward-shaping ones
+(``Field(json_schema_extra=SHAPING)``) for evaluations, which score the game itself."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticUndefined
+
+SHAPING: dict[str, Any] = {"shaping": True}  # a parameter's json_schema_extra: reward shaping, training only
 
 
 class EnvParamError(ValueError):
@@ -59,5 +62,20 @@ def describe(model: type[EnvParams]) -> list[str]:
         bounds = [f"{op} {getattr(m, attr)}" for m in info.metadata for op, attr in
                   ((">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")) if getattr(m, attr, None) is not None]
         text = f"{name}: {kind} {default}" + (f" ({', '.join(bounds)})" if bounds else "")
-        lines.append(text + (f"  {info.description}" if info.description else ""))
+        lines.append(text + (f"  {info.description}" if info.description else "")
+                     + ("  [shaping: evaluations play without it]" if is_shaping(model, name) else ""))
     return lines
+
+
+def is_shaping(model: type[EnvParams], name: str) -> bool:
+    """Whether parameter ``name`` of ``model`` shapes the training reward (marked ``SHAPING``)."""
+    info = model.model_fields.get(name)
+    extra = info.json_schema_extra if info is not None else None
+    return isinstance(extra, dict) and bool(extra.get("shaping"))
+
+
+def unshaped(model: type[EnvParams], params: Mapping[str, Any] | EnvParams) -> dict[str, Any]:
+    """``params`` without its reward-shaping parameters (those left at their defaults): what an evaluation
+    plays, so that its score and outcome are the game's, not the shaped reward's."""
+    data = params.model_dump(exclude_unset=True) if isinstance(params, EnvParams) else dict(params)
+    return {k: v for k, v in data.items() if not is_shaping(model, k)}

@@ -29,6 +29,11 @@ Parameters
 ----------
 * ``illegal_reward`` (float, -10 to -1, default -1): below -1 an illegal reply
   is worse than a loss, so a losing policy still gains by staying legal.
+* ``tactic_penalty`` (float, 0-1, default 0): reward shaping, training only. A legal move that misses an
+  immediate win, or the one cell that blocks the other side's immediate win (``tactical_miss``), pays
+  ``-tactic_penalty`` on its own turn (``StepResult.turn_rewards``; the role's reward sums them), so
+  per-turn credit (``algorithm.credit: turn``) blames that move and not the game's earlier ones.
+  Evaluations play without it (``params.unshaped``): their score is the game's.
 * ``opening_moves`` (int, 0-4, default 0): the episode starts with that many
   random legal moves drawn from the seed, so groups with different seeds start
   from different positions while the G copies of one group share theirs. At
@@ -57,7 +62,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import SHAPING, EnvParams
 
 LINES: tuple[tuple[int, int, int], ...] = (
     (0, 1, 2), (3, 4, 5), (6, 7, 8),
@@ -144,13 +149,16 @@ class TicTacToeParams(EnvParams):
     opening_moves: int = Field(0, ge=0, le=MAX_OPENING_MOVES, description="random legal moves the episode starts with")
     illegal_reward: float = Field(-1.0, ge=-10.0, le=-1.0, description="the reward of an illegal reply (a loss is -1; "
                                   "below -1 an illegal move is worse than losing; evaluations score it as a loss)")
+    tactic_penalty: float = Field(0.0, ge=0.0, le=1.0, json_schema_extra=SHAPING,
+                                  description="shaping: a move that misses an immediate win or the one block of "
+                                  "the other side's immediate win pays -tactic_penalty on its turn")
 
 
 class TicTacToe(Environment[TicTacToeParams]):
     roles: ClassVar[tuple[str, ...]] = ("X", "O")
     description: ClassVar[str] = ("Tic-tac-toe: reply with one digit 1-9 (empty cell, row-major). "
                                   "Win +1, loss -1, draw 0; an illegal reply ends the game and scores "
-                                  "illegal_reward (default -1).")
+                                  "illegal_reward (default -1); tactic_penalty (default 0) shapes training.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random", "tactical", "minimax")
     env_name: ClassVar[str] = "tictactoe"
     render_format: ClassVar[str] = "html"
@@ -197,19 +205,22 @@ class TicTacToe(Environment[TicTacToeParams]):
             return StepResult(done=True, rewards={role: self.params.illegal_reward, other: 0.0},
                               info={"illegal": why, "reply": reply[:32]})
         miss = tactical_miss(self.board, role, cell)
+        turn: dict[str, float] = {}
         if miss is not None:
             self.missed[miss][role] += 1
+            if self.params.tactic_penalty:
+                turn[role] = -self.params.tactic_penalty
         self._play(cell)
         won = winner_of(self.board)
         if won is not None:
             self.done = True
             self.winner = won
-            return StepResult(done=True, rewards={role: 1.0, other: -1.0}, info={"winner": won})
+            return StepResult(done=True, rewards={role: 1.0, other: -1.0}, turn_rewards=turn, info={"winner": won})
         if "." not in self.board:
             self.done = True
             self.winner = "draw"
-            return StepResult(done=True, rewards={role: 0.0, other: 0.0}, info={"winner": "draw"})
-        return StepResult(done=False)
+            return StepResult(done=True, rewards={role: 0.0, other: 0.0}, turn_rewards=turn, info={"winner": "draw"})
+        return StepResult(done=False, turn_rewards=turn)
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if player == "random":

@@ -24,6 +24,7 @@ from services.contracts.config import EnvironmentConfig
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player, Scripted
 from services.envs.base import Environment, score_for
+from services.envs.params import unshaped
 from services.play.episode import EpisodeResult
 
 EVAL_SEED = 7_000_000
@@ -56,15 +57,17 @@ def opponents_for(env_cls: type[Environment], env_cfg: EnvironmentConfig, oppone
 async def play_eval(env_cls: type[Environment], env_cfg: EnvironmentConfig, player: Player, roles: list[str],
                     opponent: str | dict[str, str], episodes: int, base: SamplingParams, temperature: float,
                     play: Play) -> list[tuple[str, EpisodeResult]]:
-    """Play ``episodes`` seeded episodes at once; return (the player's role, result) of those that finished."""
+    """Play ``episodes`` seeded episodes at once, without reward shaping (``unshaped``); return (the player's
+    role, result) of those that finished."""
     others = opponents_for(env_cls, env_cfg, opponent)
+    params = unshaped(env_cls.Params, env_cfg.params)
     jobs = []
     for i in range(episodes):
         seed = EVAL_SEED + 1000 * i
         sampling = {player: base.model_copy(update={"temperature": temperature, "seed": seed})}
         mine = roles[i % len(roles)]
         mapping: dict[str, Player] = {r: (player if r == mine else others[r]) for r in env_cls.roles}
-        jobs.append((mine, play(env_cls(env_cfg.params, seed), f"eval-{i}", mapping, sampling, random.Random(seed))))
+        jobs.append((mine, play(env_cls(params, seed), f"eval-{i}", mapping, sampling, random.Random(seed))))
     results = await asyncio.gather(*(j for _, j in jobs))
     return [(mine, r) for (mine, _), r in zip(jobs, results, strict=True) if r is not None]
 
