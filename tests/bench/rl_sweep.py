@@ -64,7 +64,7 @@ AGENTS = ("A", "B")
 # Options added after callers (tests/bench/bench_system.py) built their own Namespace: read with ``opt``.
 DEFAULTS: dict[str, Any] = {"train_vs": ["partner"], "matchups": [], "eval_opponents": ["random", "minimax"],
                             "entropy_coef": 0.0, "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant",
-                            "credit": "episode", "gamma": 1.0}
+                            "credit": "episode", "gamma": 1.0, "scripted_rng": "episode"}
 
 
 def opt(args: argparse.Namespace, name: str) -> Any:
@@ -112,7 +112,8 @@ async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int,
                                   seed=episode_seed) for p in roles.values() if isinstance(p, AgentPlayer)}
             gid = f"s{step}-g{g}"
             jobs.append((gid, players.play(env, f"{gid}-e{n}", gid, roles, sampling, "train",
-                                           random.Random(episode_seed))))
+                                           random.Random(env_seed if opt(args, "scripted_rng") == "group"
+                                                         else episode_seed))))
     results = await asyncio.gather(*(j for _, j in jobs))
     return [(gid, r) for (gid, _), r in zip(jobs, results, strict=True)]
 
@@ -251,6 +252,8 @@ def main() -> None:
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--temperature", type=float, default=1.0, help="training sampling temperature")
+    ap.add_argument("--scripted-rng", default="episode", choices=["episode", "group"],
+                    help="environment.scripted_rng: one random stream per episode or per group")
     ap.add_argument("--lr-scheduler", default="constant", choices=["constant", "linear", "cosine"])
     ap.add_argument("--out", default="", help="write the results as JSON here")
     print_summary(run_seeds(ap.parse_args(), run))
