@@ -1,4 +1,4 @@
-"""``environment.scripted_rng`` (docs/architecture.md §8, "Evaluation" and training groups): with ``group``, the G
+"""``environment.scripted_rng`` (docs/architecture.md §4, "Opponent mix"): with ``group``, the G
 copies of a training group give their scripted players one random stream, restarted from the group's seed in
 every copy, so copies in which the agent plays alike get the same replies; with ``episode`` (the default) each
 copy draws its own.

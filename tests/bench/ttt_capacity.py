@@ -4,8 +4,8 @@ The same tiny model and warm-start loop as ``services/demo/warmstart.py`` (rando
 each role's view rendered as the coordinator renders it), but each move's target is the uniform
 distribution over minimax's best moves instead of over the legal cells. Its greedy play against
 ``random``, ``tactical`` and ``minimax`` (services/play's held-out evaluation) bounds what the
-model's size allows; the RL demo is compared with it in the README ("What got the long demo past
-0.85"). It also prints the ceiling against ``random`` (``ceiling``: the expected score, win 1 draw 1/2, of
+model's size allows; the RL demo is compared with it in the README ("What moved the long demo
+toward 0.85"). It also prints the ceiling against ``random`` (``ceiling``: the expected score, win 1 draw 1/2, of
 the best reply to a uniformly random player, by expectimax, and of ``minimax`` with random tie-breaks),
 per side: where an agent's points against ``random`` are lost.
 
