@@ -1,11 +1,12 @@
 """``environment.scripted_rng`` (docs/architecture.md §4, "Opponent mix"): with ``group``, the G
-copies of a training group give their scripted players one random stream, restarted from the group's seed in
-every copy, so copies in which the agent plays alike get the same replies; with ``episode`` (the default) each
-copy draws its own.
+copies of a training group give their scripted players one random stream, restarted in every copy from a seed
+derived from the group's, so copies in which the agent plays alike get the same replies; with ``episode`` (the
+default) each copy draws its own.
 
 The coordinator (real, on the real Redis, through its own reply consumer) plays one group of six episodes, agent A
 (the warm-started demo model, greedy, its replies generated in-process by this test as the rollout would) against the
-env's ``random`` player: with ``group`` all six games are the same game; with ``episode`` they are not.
+env's ``random`` player: with ``group`` copies that reached one position by the same moves got the same reply from
+``random``; with ``episode`` some did not.
 """
 
 from __future__ import annotations
@@ -55,12 +56,27 @@ async def play_one_group(redis_url: str, model_dir: Path, tmp_path: Path, script
     return [[*r.summary["moves"], r.summary["illegal_reply"]] for r in done]  # a game ends on an illegal reply
 
 
+def scripted_agreement(games: list[list[object]]) -> list[bool]:
+    """For each pair of games and each reply of the scripted player (O: odd moves) that both games reached
+    by the same moves: whether the two replies are the same cell."""
+    out = []
+    for i, a in enumerate(games):
+        for b in games[i + 1:]:
+            for k in range(1, min(len(a), len(b)), 2):
+                if a[:k] != b[:k]:
+                    break
+                out.append(a[k] == b[k])
+    return out
+
+
 @pytest.mark.parametrize("scripted_rng", ["group", "episode"])
 async def test_a_groups_copies_share_the_scripted_players_stream_only_with_group(
         scripted_rng: str, redis_url: str, warm_model_dir: Path, tmp_path: Path) -> None:
-    games = await play_one_group(redis_url, warm_model_dir, tmp_path, scripted_rng)
-    distinct = {tuple(g) for g in games}
+    """The agent is greedy, but its engine batches the copies' turns as they come, so the test does not need
+    six identical games: only that copies which reached the same position got the same scripted reply."""
+    agreement = scripted_agreement(await play_one_group(redis_url, warm_model_dir, tmp_path, scripted_rng))
+    assert agreement  # the copies reached a scripted reply by the same moves at least once
     if scripted_rng == "group":
-        assert len(distinct) == 1 and len(games[0]) >= 3, games  # a greedy agent and one stream: the same game six times
+        assert all(agreement), agreement  # one stream: the same position, the same reply
     else:
-        assert len(distinct) > 1, games  # the same greedy agent against six streams
+        assert not all(agreement), agreement  # six streams (random among 8 cells): some differ

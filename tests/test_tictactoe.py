@@ -9,8 +9,8 @@ import pytest
 
 from services.contracts.config import EnvironmentConfig
 from services.contracts.messages import SamplingParams
-from services.contracts.players import Scripted
-from services.envs.base import EnvParamError, StepResult, score_for
+from services.contracts.players import Player, Scripted
+from services.envs.base import Environment, EnvParamError, StepResult, score_for
 from services.envs.params import describe, unshaped
 from services.envs.registry import load_environment
 from services.envs.tictactoe import (
@@ -22,7 +22,7 @@ from services.envs.tictactoe import (
     tactical_miss,
     tactical_moves,
 )
-from services.play.episode import play_episode
+from services.play.episode import EpisodeResult, play_episode
 from services.play.evaluation import play_eval, score
 
 
@@ -239,10 +239,14 @@ def test_evaluations_play_the_game_unshaped() -> None:
     """A shaped reward would turn a draw with a missed win into a "loss" (outcome compares rewards): evaluations
     build the environment without the shaping parameters and keep the others."""
     assert unshaped(TicTacToe.Params, {"tactic_penalty": 0.5, "illegal_reward": -2.0}) == {"illegal_reward": -2.0}
+    shaped = TicTacToe({"tactic_penalty": 0.5, "opening_moves": 2}, seed=0).params  # the validated model too
+    assert unshaped(TicTacToe.Params, shaped) == {"opening_moves": 2}
     assert any("[shaping" in line for line in describe(TicTacToe.Params) if line.startswith("tactic_penalty"))
     seen: list[tuple[float, float]] = []
 
-    async def play_one(env, gid, roles, sampling, rng):  # type: ignore[no-untyped-def]
+    async def play_one(env: Environment, gid: str, roles: dict[str, Player], sampling: dict[Player, SamplingParams],
+                       rng: random.Random) -> EpisodeResult:
+        assert isinstance(env, TicTacToe)
         seen.append((env.params.tactic_penalty, env.params.illegal_reward))
         return await play_episode(env, gid, gid, roles, {}, sampling, None, "eval", rng, {})
 

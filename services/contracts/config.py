@@ -145,8 +145,8 @@ class EnvironmentConfig(Strict):
     pool_size: int = Field(4, ge=1, description="'pool:<agent>' draws from that agent's last pool_size versions")
     scripted_rng: Literal["episode", "group"] = Field(
         "episode", description="a training group's scripted players draw from one random stream per episode, or "
-        "per group (every copy restarts it from the group's seed: copies that play alike get the same replies, "
-        "so the group's baseline compares the agents' moves, not the opponent's luck)")
+        "per group (every copy restarts it from a seed derived from the group's: copies that play alike get the "
+        "same replies, so the group's baseline compares the agents' moves, not the opponent's luck)")
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @field_validator("name")

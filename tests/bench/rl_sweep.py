@@ -112,7 +112,7 @@ async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int,
                                   seed=episode_seed) for p in roles.values() if isinstance(p, AgentPlayer)}
             gid = f"s{step}-g{g}"
             jobs.append((gid, players.play(env, f"{gid}-e{n}", gid, roles, sampling, "train",
-                                           random.Random(env_seed if opt(args, "scripted_rng") == "group"
+                                           random.Random(f"scripted-{env_seed}" if opt(args, "scripted_rng") == "group"
                                                          else episode_seed))))
     results = await asyncio.gather(*(j for _, j in jobs))
     return [(gid, r) for (gid, _), r in zip(jobs, results, strict=True)]
