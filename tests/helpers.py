@@ -9,7 +9,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -137,3 +137,20 @@ def tinker_service(base_url: str, api_key: str) -> Iterator[Any]:
         yield client
     finally:
         client.close("success").result()
+
+
+async def play_group_over_bus(coord: Any, engine_bus: Bus, engine: Callable[[Any], Awaitable[None]],
+                              roles: dict[str, Any], index: int, concurrency: int) -> list[Any]:
+    """One training group of a real ``Coordinator`` played as its ``__main__`` runs it: its reply consumer and a
+    stand-in rollout for agent A (``engine`` answers each turn request on ``engine_bus``) consume the bus until
+    ``play_group(index, roles, f"g{index}")`` returns its results."""
+    bus, stop = coord.bus, asyncio.Event()
+    tasks = [asyncio.create_task(bus.consume(bus.streams.replies(coord.name), "coordinator", coord.name,
+                                             coord.on_reply, stop, count=64)),
+             asyncio.create_task(engine_bus.consume(bus.streams.turns("A"), "rollout", "rollout-A", engine, stop,
+                                                    concurrency=concurrency))]
+    try:
+        return await asyncio.wait_for(coord.play_group(index, roles, f"g{index}"), 120)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)

@@ -11,7 +11,6 @@ counted (``/v1/status``), and the group's other three episodes complete.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ from services.contracts.players import AgentPlayer, Local, Scripted
 from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
 from services.play.local import LocalPlayers
+from tests.helpers import play_group_over_bus
 
 
 async def test_a_bad_reply_is_rejected_alone_and_its_episode_abandoned(redis_url: str, tiny_model_dir: Path,
@@ -36,7 +36,7 @@ async def test_a_bad_reply_is_rejected_alone_and_its_episode_abandoned(redis_url
     coord = Coordinator(cfg, bus)
     engine_bus = Bus(redis_url, "replies", "rollout-A")
     local, model = LocalPlayers(), Local(path=str(tiny_model_dir), agent="A")
-    stop, tampered, forged = asyncio.Event(), {}, []
+    tampered, forged = {}, []
     vocab = coord.replies.vocab["A"]
     assert vocab is not None
 
@@ -50,16 +50,10 @@ async def test_a_bad_reply_is_rejected_alone_and_its_episode_abandoned(redis_url
             await engine_bus.publish(req.reply_stream, forged[0])
         await engine_bus.publish(req.reply_stream, reply)
 
-    tasks = [asyncio.create_task(bus.consume(bus.streams.replies(coord.name), "coordinator", coord.name,
-                                             coord.on_reply, stop, count=64)),
-             asyncio.create_task(engine_bus.consume(bus.streams.turns("A"), "rollout", "rollout-A", engine, stop,
-                                                    concurrency=4))]
     try:
         roles = {"X": AgentPlayer(agent="A"), "O": Scripted(name="random")}
-        done = await asyncio.wait_for(coord.play_group(0, roles, "g0"), 120)
+        done = await play_group_over_bus(coord, engine_bus, engine, roles, 0, concurrency=4)
     finally:
-        stop.set()
-        await asyncio.gather(*tasks)
         local.close()
     assert len(tampered) == 1 and forged
     bad_episode = next(iter(tampered))

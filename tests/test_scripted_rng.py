@@ -11,7 +11,6 @@ env's ``random`` player: with ``group`` copies that reached one position by the 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from services.contracts.messages import GenerateRequest
 from services.contracts.players import AgentPlayer, Local, Scripted
 from services.coordinator.scheduler import Coordinator
 from services.play.local import LocalPlayers
+from tests.helpers import play_group_over_bus
 
 
 async def play_one_group(redis_url: str, model_dir: Path, tmp_path: Path, scripted_rng: str) -> list[list[object]]:
@@ -33,22 +33,16 @@ async def play_one_group(redis_url: str, model_dir: Path, tmp_path: Path, script
                                        "sampling": {"max_new_tokens": 4, "temperature": 0.0}} for a in "AB"}})
     bus, engine_bus = Bus(redis_url, name, "coordinator"), Bus(redis_url, name, "rollout-A")
     coord = Coordinator(cfg, bus)
-    local, model, stop = LocalPlayers(), Local(path=str(model_dir), agent="A"), asyncio.Event()
+    local, model = LocalPlayers(), Local(path=str(model_dir), agent="A")
 
     async def engine(req: GenerateRequest) -> None:
         reply = (await local.generate(model, req)).model_copy(update={"weight_version": 0})
         await engine_bus.publish(req.reply_stream, reply)
 
-    tasks = [asyncio.create_task(bus.consume(bus.streams.replies(coord.name), "coordinator", coord.name,
-                                             coord.on_reply, stop, count=64)),
-             asyncio.create_task(engine_bus.consume(bus.streams.turns("A"), "rollout", "rollout-A", engine, stop,
-                                                    concurrency=6))]
     try:
         roles = {"X": AgentPlayer(agent="A"), "O": Scripted(name="random")}
-        done = await asyncio.wait_for(coord.play_group(3, roles, "g3"), 120)
+        done = await play_group_over_bus(coord, engine_bus, engine, roles, 3, concurrency=6)
     finally:
-        stop.set()
-        await asyncio.gather(*tasks)
         local.close()
         await engine_bus.close()
         await bus.close()
