@@ -53,7 +53,9 @@ class AlgorithmConfig(Strict):
     tis_cap: float = Field(2.0, ge=1, description="upper bound of the TIS weight")
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
-    decay_steps: int = Field(1000, ge=1, description="linear/cosine: optimizer steps from warm-up end to min_lr")
+    stable_steps: int = Field(0, ge=0, description="linear/cosine: optimizer steps held at lr after warm-up, before "
+                              "the decay starts (warm-up, stable, decay: the WSD schedule)")
+    decay_steps: int = Field(1000, ge=1, description="linear/cosine: optimizer steps from the decay's start to min_lr")
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     params: dict[str, Any] = Field(default_factory=dict, description="free-form settings for plug-in algorithms")
 
