@@ -15,6 +15,7 @@ from services.envs.debate import Debate
 from services.envs.doctor_patient import CASES, DoctorPatient, judge_answer
 from services.envs.guess_number import GuessNumber, bits_shortfall, expected_bits
 from services.envs.math_tasks import Math, MathCritic
+from services.envs.params import unshaped
 from services.envs.registry import BUILTINS, check_environment_config, describe_environments, load_environment
 from services.envs.textarena_adapter import TextArena
 from services.envs.twenty_questions import TABLE, TwentyQuestions
@@ -88,6 +89,7 @@ def test_guess_number_info_shaping_pays_per_turn_by_the_bits_lost() -> None:
     assert GuessNumber({"low": 1, "high": 100}, 4).params.info_shaping == 0.0  # off by default
     with pytest.raises(EnvParamError, match="info_shaping"):
         GuessNumber({"info_shaping": -1}, 0)
+    assert unshaped(GuessNumber.Params, params) == {"low": 1, "high": 100, "max_turns": 16}  # evaluations drop it
 
 
 def test_guess_number_runs_out_of_turns() -> None:

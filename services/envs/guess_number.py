@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import SHAPING, EnvParams
 
 NUMBER = re.compile(r"^\s*(-?\d+)\s*\.?\s*$")
 
@@ -48,9 +48,9 @@ class GuessNumberParams(EnvParams):
     max_turns: int = Field(6, ge=1, le=100)
     turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="per guess")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0, description="per reply that is not an integer in range")
-    info_shaping: float = Field(0.0, ge=0.0, le=10.0, description="shaping, per bit: each in-range guess "
-                                "pays -info_shaping x its shortfall in expected information from a midpoint "
-                                "guess's (bits_shortfall); 0: off")
+    info_shaping: float = Field(0.0, ge=0.0, le=10.0, json_schema_extra=SHAPING,
+                                description="shaping, per bit: each in-range guess pays -info_shaping x its "
+                                "shortfall in expected information from a midpoint guess's (bits_shortfall); 0: off")
     show_range: bool = Field(False, description="the feedback also states the range the answers so far allow")
     pad_range: bool = Field(False, description="with show_range: both ends of the range zero-padded to the "
                             "width of high (51-100 -> 051-100)")
