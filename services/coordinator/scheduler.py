@@ -34,7 +34,7 @@ from services.coordinator.replies import ReplyCheck
 from services.coordinator.report import write_report
 from services.coordinator.state import RunState, finite
 from services.envs.registry import check_environment_config
-from services.play.episode import EpisodeResult, play_episode
+from services.play.episode import EpisodeResult, group_scripted_rng, play_episode
 from services.play.local import LocalPlayers  # torch is imported when a Local player first plays
 
 log = logging.getLogger("tandem.coordinator")
@@ -235,9 +235,8 @@ class Coordinator:
         seed, shared = self.cfg.run.seed * 1_000_003 + index, self.cfg.environment.scripted_rng == "group"
         envs = self.env_cls.make_group(self.cfg.environment.params, seed, self.cfg.environment.group_size)
         sampling = self.sampling_for(roles)
-        results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling,  # not the env's stream
-                                                    random.Random(f"scripted-{seed}") if shared else None)
-                                         for e in envs))
+        results = await asyncio.gather(*(self._play(e, group_id, roles, "train", sampling,
+                                                    group_scripted_rng(seed) if shared else None) for e in envs))
         return [r for r in results if r is not None]
 
     async def run_group(self, index: int, roles: dict[str, Player], group_id: str) -> None:

@@ -142,6 +142,13 @@ class _Episode:
         return renderer.assistant_turn(reply.output_ids)
 
 
+def group_scripted_rng(group_seed: int) -> random.Random:
+    """The scripted players' random stream every copy of a training group restarts under
+    ``environment.scripted_rng: group`` (docs/architecture.md §4): derived from the group's seed, apart from
+    the environment's own stream of that seed."""
+    return random.Random(f"scripted-{group_seed}")
+
+
 async def play_episode(
     env: Environment,
     episode_id: str,

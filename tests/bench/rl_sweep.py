@@ -55,7 +55,7 @@ from services.demo.warmstart import MAX_NEW_TOKENS  # noqa: E402
 from services.envs.base import Environment  # noqa: E402
 from services.envs.tictactoe import TicTacToe  # noqa: E402
 from services.inference.generator import Engine  # noqa: E402
-from services.play.episode import EpisodeResult  # noqa: E402
+from services.play.episode import EpisodeResult, group_scripted_rng  # noqa: E402
 from services.play.evaluation import mean_se, play_eval, score  # noqa: E402
 from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
@@ -112,8 +112,8 @@ async def play_step(players: EnginePlayers, args: argparse.Namespace, seed: int,
                                   seed=episode_seed) for p in roles.values() if isinstance(p, AgentPlayer)}
             gid = f"s{step}-g{g}"
             jobs.append((gid, players.play(env, f"{gid}-e{n}", gid, roles, sampling, "train",
-                                           random.Random(f"scripted-{env_seed}" if opt(args, "scripted_rng") == "group"
-                                                         else episode_seed))))
+                                           group_scripted_rng(env_seed) if opt(args, "scripted_rng") == "group"
+                                           else random.Random(episode_seed))))
     results = await asyncio.gather(*(j for _, j in jobs))
     return [(gid, r) for (gid, _), r in zip(jobs, results, strict=True)]
 
