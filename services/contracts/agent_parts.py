@@ -41,6 +41,12 @@ class AlgorithmConfig(Strict):
         "on) against the group's samples at the same turn (grpo, dr_grpo, ppo, reinforce_pp*, cispo)")
     gamma: float = Field(1.0, gt=0, le=1, description="credit: turn: the discount of the return-to-go, G_k = sum over "
                          "j >= k of gamma^(j-k) r_j (below 1, a reward earned sooner is worth more)")
+    baseline: Literal["group", "value"] = Field(
+        "group", description="credit: turn: what a turn's return-to-go is measured against. group: the group's "
+        "samples at the same turn; value: first a learned value of the turn's state (a small head on the policy's "
+        "detached last hidden state, trained on the returns; torch backend), then the group's residuals")
+    value_lr: float = Field(3e-3, gt=0, description="baseline: value: the value head's AdamW learning rate")
+    value_hidden: int = Field(64, ge=1, description="baseline: value: the value head's hidden width")
     dual_clip_c: float = Field(3.0, gt=1, description="ppo: dual-clip bound on negative-advantage tokens")
     norm_tokens: int = Field(0, ge=0, description="dr_grpo: loss = token sum / (sequences x norm_tokens); "
                                                    "0 = the batch's padded length")
@@ -75,6 +81,9 @@ class AlgorithmConfig(Strict):
     def _gamma_needs_turn_credit(self) -> AlgorithmConfig:
         if self.gamma < 1 and self.credit != "turn":
             raise ValueError("gamma < 1 discounts the return per turn: it needs credit: turn")
+        if self.baseline == "value" and self.credit != "turn":
+            raise ValueError("baseline: value measures each turn's return against its state's value: it needs "
+                             "credit: turn")
         return self
 
 

@@ -96,9 +96,11 @@ class AgentConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _lora_backend(self) -> AgentConfig:
+    def _torch_only_parts(self) -> AgentConfig:
         if self.lora is not None and self.backend != "torch":
             raise ValueError(f"lora needs backend 'torch' (backend is {self.backend!r})")
+        if self.algorithm.baseline == "value" and self.backend != "torch":
+            raise ValueError(f"algorithm.baseline: 'value' needs backend 'torch' (backend is {self.backend!r})")
         return self
 
 

@@ -30,9 +30,13 @@ def turn_returns(sample: Sample, gamma: float = 1.0) -> list[float]:
 
 
 def turn_advantages(samples: list[Sample], normalize_std: bool = True, eps: float = 1e-6,
-                    gamma: float = 1.0) -> list[list[float]]:
-    """Per sample and turn: (G_k - mean) [/ std] over the group's samples that reached a turn k."""
+                    gamma: float = 1.0, baselines: list[list[float]] | None = None) -> list[list[float]]:
+    """Per sample and turn: (G_k - mean) [/ std] over the group's samples that reached a turn k. With
+    ``baselines`` (a learned value V_k of each turn's state, services/training/value.py) the residuals
+    G_k - V_k take the returns' place: what is left after the state's value, against the group's."""
     returns = [turn_returns(s, gamma) for s in samples]
+    if baselines is not None:
+        returns = [[g - v for g, v in zip(gs, vs, strict=True)] for gs, vs in zip(returns, baselines, strict=True)]
     peers: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s, gs in zip(samples, returns, strict=True):
         for k, g in enumerate(gs):

@@ -25,6 +25,7 @@ from services.common.devices import autocast
 from services.contracts.config import AlgorithmConfig
 from services.contracts.messages import Sample
 from services.training.algorithms import Algorithm, Stats, StepPlan, step_metrics
+from services.training.value import ValueBaseline
 
 Tensors = dict[str, torch.Tensor]
 
@@ -73,6 +74,7 @@ class TrainingStep(ABC):
     scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device = torch.device("cpu")  # where the passes run
     precision: str = "float32"  # the agent's trainer.dtype: "bfloat16" autocasts the passes (weights stay float32)
+    critic: ValueBaseline | None = None  # algorithm.baseline: value (value.py)
 
     def rows(self, minibatch: list[int]) -> list[int]:
         """The rows of a minibatch this process trains on (all of them, unless data-parallel)."""
@@ -86,6 +88,10 @@ class TrainingStep(ABC):
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
                  ref: torch.Tensor | None) -> Stats:
         """Forward with grad, the algorithm's loss on ``rows`` of the plan, backward; return the loss stats."""
+
+    def state_features(self, batch: Tensors) -> torch.Tensor:
+        """No-grad last hidden states [B, T, H] of the batch (the value baseline's input; a backend with one)."""
+        raise NotImplementedError(f"the {self.backend} backend has no value baseline (algorithm.baseline: value)")
 
     @abstractmethod
     def clip_grads(self) -> float:
@@ -106,6 +112,8 @@ class TrainingStep(ABC):
         with torch.no_grad(), autocast(self.device, self.precision):
             prox = [self.old_logprobs(b, reference=False) for b in batches] if self.algo.needs_prox(plan) else none
             ref = [self.old_logprobs(b, reference=True) for b in batches] if self.algo.needs_reference else none
+            features = [self.state_features(b) for b in batches] if self.critic is not None else []
+        value_stats = self.critic.rebaseline(self.algo, plan, rows, features) if self.critic is not None else {}
         parts: list[Stats] = []
         grad_norms: list[float] = []
         for epoch in range(self.cfg.epochs if batches else 0):
@@ -121,5 +129,5 @@ class TrainingStep(ABC):
         if not self.weights_finite():
             raise NonFiniteStep("non-finite weights after the optimizer step")
         self.weight_version += 1
-        return step_metrics(parts, samples, plan, self.cfg, self.backend, self.scheduler.get_last_lr()[0],
-                            grad_norms, time.perf_counter() - start)
+        return {**step_metrics(parts, samples, plan, self.cfg, self.backend, self.scheduler.get_last_lr()[0],
+                               grad_norms, time.perf_counter() - start), **value_stats}

@@ -27,6 +27,7 @@ from services.training.algorithms import Stats, StepPlan, make_algorithm, make_i
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.schedule import lr_factor
 from services.training.step import Tensors, TrainingStep, pad_batch
+from services.training.value import ValueBaseline
 
 __all__ = ["TorchPolicy", "pad_batch", "replace_dir"]
 
@@ -72,6 +73,8 @@ class TorchPolicy(TrainingStep):
         self.optimizer = torch.optim.AdamW(self.trainable, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(self.cfg, s))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.cfg.baseline == "value":
+            self.critic = ValueBaseline(base.config.hidden_size, self.cfg, self.device)
 
     # -- forward passes ------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
@@ -110,6 +113,12 @@ class TorchPolicy(TrainingStep):
         loss.backward()
         return stats
 
+    @torch.no_grad()
+    def state_features(self, batch: Tensors) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         output_hidden_states=True)
+        return out.hidden_states[-1]
+
     def clip_grads(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))
 
@@ -136,6 +145,7 @@ class TorchPolicy(TrainingStep):
         torch.save({"version": version, "algorithm": self.cfg.name, "lora": self.acfg.lora is not None,
                     "model": weights, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), **rng_states(),
+                    **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
                     "python_rng": random.getstate()}, tmp / STATE_FILE)
         replace_dir(tmp, path)
         return path
@@ -151,6 +161,8 @@ class TorchPolicy(TrainingStep):
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None and "critic" in state:  # a state from before baseline: value starts it afresh
+            self.critic.load_state_dict(state["critic"])
         restore_rng(state)
         random.setstate(state["python_rng"])
         self.weight_version = int(state["version"])

@@ -64,7 +64,8 @@ AGENTS = ("A", "B")
 # Options added after callers (tests/bench/bench_system.py) built their own Namespace: read with ``opt``.
 DEFAULTS: dict[str, Any] = {"train_vs": ["partner"], "matchups": [], "eval_opponents": ["random", "minimax"],
                             "entropy_coef": 0.0, "kl_coef": 0.0, "temperature": 1.0, "lr_scheduler": "constant",
-                            "credit": "episode", "gamma": 1.0, "scripted_rng": "episode"}
+                            "credit": "episode", "gamma": 1.0, "scripted_rng": "episode", "baseline": "group",
+                            "stable_steps": 0, "min_lr_ratio": 0.0}
 
 
 def opt(args: argparse.Namespace, name: str) -> Any:
@@ -170,8 +171,9 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                            epochs=args.epochs, minibatches=args.minibatches, max_grad_norm=args.max_grad_norm,
                            normalize_std=not args.no_std, entropy_coef=opt(args, "entropy_coef"),
                            kl_coef=opt(args, "kl_coef"), lr_scheduler=opt(args, "lr_scheduler"),
-                           credit=opt(args, "credit"), gamma=opt(args, "gamma"),
-                           decay_steps=max(args.steps * args.minibatches * args.epochs, 1))
+                           credit=opt(args, "credit"), gamma=opt(args, "gamma"), baseline=opt(args, "baseline"),
+                           stable_steps=opt(args, "stable_steps"), min_lr_ratio=opt(args, "min_lr_ratio"),
+                           decay_steps=max(args.steps * args.minibatches * args.epochs - opt(args, "stable_steps"), 1))
     policies = {name: TorchPolicy(AgentConfig(model_path=args.model, algorithm=algo, seed=seed + i),
                                   temperature=opt(args, "temperature")) for i, name in enumerate(AGENTS)}
     threads = torch.get_num_threads()
@@ -208,7 +210,7 @@ async def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             "A_reward_as_X": round(sum(a_x) / max(len(a_x), 1), 3), "illegal_frac": round(illegal, 3),
             **{f"{n}_illegal": round(sum(xs) / max(len(xs), 1), 3) for n, xs in bad.items()},
             **{f"{n}_{k}": round(m[k], 4) for n, m in metrics.items()
-               for k in ("reward_mean", "clip_frac", "grad_norm")}}), flush=True)
+               for k in ("reward_mean", "clip_frac", "grad_norm", "value_explained_var") if k in m}}), flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             await log_eval(step + 1)
     players.stop()
@@ -255,6 +257,10 @@ def main() -> None:
     ap.add_argument("--scripted-rng", default="episode", choices=["episode", "group"],
                     help="environment.scripted_rng: one random stream per episode or per group")
     ap.add_argument("--lr-scheduler", default="constant", choices=["constant", "linear", "cosine"])
+    ap.add_argument("--stable-steps", type=int, default=0, help="algorithm.stable_steps (optimizer steps); the decay "
+                    "runs over the rest")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.0, help="algorithm.min_lr_ratio")
+    ap.add_argument("--baseline", default="group", choices=["group", "value"], help="algorithm.baseline")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     print_summary(run_seeds(ap.parse_args(), run))
 

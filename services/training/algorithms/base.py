@@ -157,9 +157,11 @@ class Algorithm:
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         return group_advantages([s.reward for s in samples], [s.group_id for s in samples], self.cfg.normalize_std)
 
-    def per_token_advantages(self, samples: list[Sample]) -> torch.Tensor:
-        """Per-turn credit (services/training/credit.py), normalised as ``advantages`` is."""
-        return token_advantages(samples, turn_advantages(samples, self.cfg.normalize_std, gamma=self.cfg.gamma))
+    def per_token_advantages(self, samples: list[Sample], baselines: list[list[float]] | None = None) -> torch.Tensor:
+        """Per-turn credit (services/training/credit.py), normalised as ``advantages`` is; ``baselines``: each
+        turn's learned state value (algorithm.baseline: value)."""
+        return token_advantages(samples, turn_advantages(samples, self.cfg.normalize_std, gamma=self.cfg.gamma,
+                                                         baselines=baselines))
 
     def split(self, n: int) -> list[list[int]]:
         return chunks(n, self.cfg.minibatches)

@@ -65,8 +65,9 @@ class DrGRPO(Algorithm):
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         return group_advantages([s.reward for s in samples], [s.group_id for s in samples], normalize_std=False)
 
-    def per_token_advantages(self, samples: list[Sample]) -> torch.Tensor:
-        return token_advantages(samples, turn_advantages(samples, normalize_std=False, gamma=self.cfg.gamma))
+    def per_token_advantages(self, samples: list[Sample], baselines: list[list[float]] | None = None) -> torch.Tensor:
+        return token_advantages(samples, turn_advantages(samples, normalize_std=False, gamma=self.cfg.gamma,
+                                                         baselines=baselines))
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         per_tok, stats = ppo_token_losses(x, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
