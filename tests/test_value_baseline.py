@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from services.contracts.config import AgentConfig, AlgorithmConfig
 from services.contracts.messages import Sample, turn_spans
 from services.training.credit import turn_advantages
+from services.training.step import NonFiniteStep
 from services.training.torch_backend import TorchPolicy
 from services.training.value import state_positions
 
@@ -48,9 +49,10 @@ def test_residuals_against_the_states_values_then_the_group() -> None:
     # values that foresee each return exactly leave nothing to credit
     exact = [[0.81, 0.9, 1.0], [-0.9, -1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
     assert flat(turn_advantages(BATCH, gamma=0.9, baselines=exact)) == pytest.approx([0.0] * 12, abs=1e-6)
-    # a loss from a position worth -1 is no worse than the group's: sample b's second turn is no longer blamed
+    # b's loss at its second turn, foreseen by its state's value, is blamed no more than c's, which lost nothing
     foresaw = [[0.0, 0.0, 0.0], [0.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
-    assert plain[1][1] < 0 and turn_advantages(BATCH, gamma=0.9, baselines=foresaw)[1][1] > plain[1][1]
+    adv = turn_advantages(BATCH, gamma=0.9, baselines=foresaw)
+    assert plain[1][1] < plain[2][1] and adv[1][1] == pytest.approx(adv[2][1])
 
 
 def test_the_setting_needs_turn_credit_and_the_torch_backend() -> None:
@@ -92,5 +94,17 @@ def test_the_head_learns_the_returns_and_resumes_with_the_trainer(tiny_model_dir
     head = dict(valued.critic.head.state_dict())
     assert all(torch.equal(v, resumed.critic.head.state_dict()[k]) for k, v in head.items())
     assert resumed.critic.optimizer.state_dict()["state"]  # Adam's moments too
-    from safetensors.torch import load_file  # the engines' weights hold no value head
-    assert not any("head.0" in k or k.startswith("critic") for k in load_file(next(hf_dir.glob("*.safetensors"))))
+    from safetensors.torch import load_file  # the engines' weights are the policy's, with no value head
+    assert set(load_file(next(hf_dir.glob("*.safetensors")))) <= set(valued.model.state_dict())
+
+
+def test_a_non_finite_head_fails_its_step_and_leaves_the_policy(tiny_model_dir: Path) -> None:
+    valued = policy(tiny_model_dir, "value")
+    assert valued.critic is not None
+    before = [p.detach().clone() for p in valued.trainable]
+    with torch.no_grad():
+        valued.critic.head[-1].bias.fill_(float("nan"))
+    with pytest.raises(NonFiniteStep, match="non-finite value"):
+        valued.train_step(BATCH)
+    assert valued.weight_version == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, valued.trainable, strict=True))

@@ -44,7 +44,7 @@ class AlgorithmConfig(Strict):
     baseline: Literal["group", "value"] = Field(
         "group", description="credit: turn: what a turn's return-to-go is measured against. group: the group's "
         "samples at the same turn; value: first a learned value of the turn's state (a small head on the policy's "
-        "detached last hidden state, trained on the returns; torch backend), then the group's residuals")
+        "detached last hidden state, trained on the group-centred returns; torch backend), then the group's residuals")
     value_lr: float = Field(3e-3, gt=0, description="baseline: value: the value head's AdamW learning rate")
     value_hidden: int = Field(64, ge=1, description="baseline: value: the value head's hidden width")
     dual_clip_c: float = Field(3.0, gt=1, description="ppo: dual-clip bound on negative-advantage tokens")
@@ -78,7 +78,7 @@ class AlgorithmConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _gamma_needs_turn_credit(self) -> AlgorithmConfig:
+    def _turn_credit_settings(self) -> AlgorithmConfig:
         if self.gamma < 1 and self.credit != "turn":
             raise ValueError("gamma < 1 discounts the return per turn: it needs credit: turn")
         if self.baseline == "value" and self.credit != "turn":

@@ -114,10 +114,11 @@ class TorchPolicy(TrainingStep):
         return stats
 
     @torch.no_grad()
-    def state_features(self, batch: Tensors) -> torch.Tensor:
+    def state_features(self, batch: Tensors, positions: list[list[int]]) -> torch.Tensor:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          output_hidden_states=True)
-        return out.hidden_states[-1]
+        last = out.hidden_states[-1]
+        return torch.cat([last[j, pos] for j, pos in enumerate(positions)])
 
     def clip_grads(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))
@@ -161,8 +162,8 @@ class TorchPolicy(TrainingStep):
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.critic is not None and "critic" in state:  # a state from before baseline: value starts it afresh
-            self.critic.load_state_dict(state["critic"])
+        if self.critic is not None:  # a state from before baseline: value starts the head afresh
+            self.critic.load_state_dict(state.get("critic"))
         restore_rng(state)
         random.setstate(state["python_rng"])
         self.weight_version = int(state["version"])

@@ -16,6 +16,10 @@ sampled from), **detached**, so the value's loss never moves the policy. Each st
 2. the head fits this batch's (state, centred return) pairs: ``epochs x minibatches`` AdamW steps on the mean
    squared error, its own optimizer and clipping, apart from the policy's.
 
+The backend's ``state_features`` returns only those positions' hidden states (the torch backend's one
+extra no-grad forward per minibatch). A non-finite value, fit or head fails the step like a non-finite loss
+(``NonFiniteStep``: the trainer restores its last committed state, the head's included).
+
 Reported per step: ``value_loss`` (the head's squared error on the batch before fitting it: on returns it has
 not seen), ``value_explained_var`` (1 - Var(target - V) / Var(target): the share of the centred returns' spread
 the states explain) and ``value_fit_loss``. Its weights and optimizer go into the trainer state (resume) and not
@@ -45,36 +49,51 @@ class ValueBaseline:
     """The value head, its optimizer, and the step's re-baselining (module docstring)."""
 
     def __init__(self, hidden_size: int, cfg: AlgorithmConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.head = torch.nn.Sequential(torch.nn.Linear(hidden_size, cfg.value_hidden), torch.nn.Tanh(),
-                                        torch.nn.Linear(cfg.value_hidden, 1)).to(device)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.value_lr)
+        self.cfg, self.hidden_size, self.device = cfg, hidden_size, device
+        self.reset()
 
-    def gather(self, plan: StepPlan, rows: list[list[int]], features: list[torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[int, int]]]:
-        """The turn states' features [M, H] and centred returns [M] (G_k less the group's mean at turn k) of every
-        planned row, and where each row's turns are in them (row -> [first, end))."""
+    def reset(self) -> None:
+        """A fresh head and optimizer, initialised on a forked RNG: the policy's random stream is not touched."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.head = torch.nn.Sequential(torch.nn.Linear(self.hidden_size, self.cfg.value_hidden), torch.nn.Tanh(),
+                                            torch.nn.Linear(self.cfg.value_hidden, 1)).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.cfg.value_lr)
+
+    @staticmethod
+    def positions(plan: StepPlan, rows: list[list[int]]) -> list[list[list[int]]]:
+        """Per minibatch, per row, the turn states' positions (``state_positions``): what the backend's
+        ``state_features`` gathers."""
+        return [[state_positions(plan.samples[i]) for i in batch_rows] for batch_rows in rows]
+
+    def targets(self, plan: StepPlan, rows: list[list[int]]) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
+        """The centred returns [M] (G_k less the group's mean at turn k) of the rows' turn states, in the order
+        ``state_features`` returns them, and where each row's turns are in them (row -> [first, end))."""
         centred = turn_advantages(plan.samples, normalize_std=False, gamma=self.cfg.gamma)
-        feats, targets, where = [], [], {}
-        for batch_rows, batch_features in zip(rows, features, strict=True):
-            for j, i in enumerate(batch_rows):
-                sample = plan.samples[i]
-                pos = state_positions(sample)
-                start = sum(len(t) for t in targets)
-                feats.append(batch_features[j, pos].float())
-                targets.append(torch.tensor(centred[i][:len(pos)]))
-                where[i] = (start, start + len(pos))
-        return torch.cat(feats).detach(), torch.cat(targets).float().to(feats[0].device), where
+        targets: list[float] = []
+        where: dict[int, tuple[int, int]] = {}
+        for batch_rows in rows:
+            for i in batch_rows:
+                n = len(state_positions(plan.samples[i]))
+                where[i] = (len(targets), len(targets) + n)
+                targets += centred[i][:n]
+        if len(where) != len(plan.samples):  # a data-parallel rank sees part of the rows: not supported
+            raise ValueError("the value baseline needs every row of the step on this process")
+        return torch.tensor(targets, dtype=torch.float32, device=self.device), where
 
-    def rebaseline(self, algo: Algorithm, plan: StepPlan, rows: list[list[int]],
-                   features: list[torch.Tensor]) -> Stats:
+    def rebaseline(self, algo: Algorithm, plan: StepPlan, rows: list[list[int]], features: list[torch.Tensor]
+                   ) -> Stats:
         """Set ``plan.token_advantages`` from the residuals against the head's values, then fit the head to the
-        batch's returns; ``features[k]`` is minibatch ``rows[k]``'s last hidden state [B, T, H]."""
+        batch's centred returns; ``features[k]`` [M_k, H] holds minibatch ``rows[k]``'s turn states' last hidden
+        states (``positions``' order). Raises ``ValueError`` on a non-finite value or fit: the step fails."""
         if not plan.samples:
             return {}
-        x, g, where = self.gather(plan, rows, features)
+        g, where = self.targets(plan, rows)
+        x = torch.cat(features).detach().float()
         with torch.no_grad():
             v = self.head(x).squeeze(-1)
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError("non-finite value from the value head")
         baselines = [v[where[i][0]:where[i][1]].tolist() for i in range(len(plan.samples))]
         plan.token_advantages = algo.per_token_advantages(plan.samples, baselines)
         var = float(g.var(unbiased=False)) if g.numel() > 1 else 0.0
@@ -94,9 +113,16 @@ class ValueBaseline:
             self.optimizer.step()
         return float(loss.detach())
 
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.head.parameters())
+
     def state_dict(self) -> dict[str, Any]:
         return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore the head (None: a trainer state from before it existed, so a fresh one)."""
+        if state is None:
+            self.reset()
+            return
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
