@@ -91,21 +91,13 @@ class TrainingStep(ABC):
                  ref: torch.Tensor | None) -> Stats:
         """Forward with grad, the algorithm's loss on ``rows`` of the plan, backward; return the loss stats."""
 
-    def state_features(self, batch: Tensors, positions: list[list[int]]) -> torch.Tensor:
-        """No-grad last hidden states [M, H] of each row's ``positions``, rows in order (the value baseline's
-        input; a backend with one)."""
-        raise NotImplementedError(f"the {self.backend} backend has no value baseline (algorithm.baseline: value)")
-
-    def rebaseline(self, plan: StepPlan, rows: list[list[int]], features: list[torch.Tensor]) -> Stats:
+    def rebaseline(self, plan: StepPlan, rows: list[list[int]], batches: list[Tensors]) -> Stats:
         """Under ``algorithm.baseline: value``: the plan's advantages against the head's values, the head fitted
-        (value.py); a non-finite value or head fails the step (``NonFiniteStep``)."""
+        (value.py); a non-finite value, fit or head fails the step (``NonFiniteStep``)."""
         if self.critic is None:
             return {}
-        try:
-            stats = self.critic.rebaseline(self.algo, plan, rows, features)
-        except ValueError as exc:
-            raise NonFiniteStep(str(exc)) from exc
-        check_finite(stats, 0.0, "the value head's fit")
+        stats = self.critic.rebaseline(self.algo, plan, rows, batches)
+        check_finite(stats, 0.0, "the value head")
         if not self.critic.finite():
             raise NonFiniteStep("non-finite value head after its fit")
         return stats
@@ -129,9 +121,7 @@ class TrainingStep(ABC):
         with torch.no_grad(), autocast(self.device, self.precision):
             prox = [self.old_logprobs(b, reference=False) for b in batches] if self.algo.needs_prox(plan) else none
             ref = [self.old_logprobs(b, reference=True) for b in batches] if self.algo.needs_reference else none
-            features = ([self.state_features(b, p) for b, p in zip(batches, self.critic.positions(plan, rows),
-                                                                    strict=True)] if self.critic is not None else [])
-        value_stats = self.rebaseline(plan, rows, features)
+        value_stats = self.rebaseline(plan, rows, batches)
         parts: list[Stats] = []
         grad_norms: list[float] = []
         for epoch in range(self.cfg.epochs if batches else 0):

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.devices import resolve, restore_rng, rng_states
+from services.common.devices import autocast, resolve, restore_rng, rng_states
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
@@ -74,7 +74,7 @@ class TorchPolicy(TrainingStep):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(self.cfg, s))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.cfg.baseline == "value":
-            self.critic = ValueBaseline(base.config.hidden_size, self.cfg, self.device)
+            self.critic = ValueBaseline(base.config.hidden_size, self.cfg, self.device, self.state_features)
 
     # -- forward passes ------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
@@ -115,8 +115,10 @@ class TorchPolicy(TrainingStep):
 
     @torch.no_grad()
     def state_features(self, batch: Tensors, positions: list[list[int]]) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         output_hidden_states=True)
+        """The value baseline's input (value.py): the last hidden state at each row's turn-state positions."""
+        with autocast(self.device, self.precision):
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             output_hidden_states=True)
         last = out.hidden_states[-1]
         return torch.cat([last[j, pos] for j, pos in enumerate(positions)])
 

@@ -16,8 +16,9 @@ sampled from), **detached**, so the value's loss never moves the policy. Each st
 2. the head fits this batch's (state, centred return) pairs: ``epochs x minibatches`` AdamW steps on the mean
    squared error, its own optimizer and clipping, apart from the policy's.
 
-The backend's ``state_features`` returns only those positions' hidden states (the torch backend's one
-extra no-grad forward per minibatch). A non-finite value, fit or head fails the step like a non-finite loss
+The backend hands the head a ``features(batch, positions)`` function that returns only those positions'
+hidden states (the torch backend's one extra no-grad forward per minibatch); a backend without one has no
+value baseline (the config refuses it). A non-finite value, fit or head fails the step like a non-finite loss
 (``NonFiniteStep``: the trainer restores its last committed state, the head's included).
 
 Reported per step: ``value_loss`` (the head's squared error on the batch before fitting it: on returns it has
@@ -28,6 +29,7 @@ into the weights the engines load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,11 +47,15 @@ def state_positions(sample: Sample) -> list[int]:
     return [max(start, 1) - 1 for start, _ in spans[:max(len(sample.turn_rewards), 1)]]
 
 
+# the backend's no-grad last hidden states [M, H] of a padded batch at each row's positions, rows in order
+Features = Callable[[dict[str, torch.Tensor], list[list[int]]], torch.Tensor]
+
+
 class ValueBaseline:
     """The value head, its optimizer, and the step's re-baselining (module docstring)."""
 
-    def __init__(self, hidden_size: int, cfg: AlgorithmConfig, device: torch.device) -> None:
-        self.cfg, self.hidden_size, self.device = cfg, hidden_size, device
+    def __init__(self, hidden_size: int, cfg: AlgorithmConfig, device: torch.device, features: Features) -> None:
+        self.cfg, self.hidden_size, self.device, self.features = cfg, hidden_size, device, features
         self.reset()
 
     def reset(self) -> None:
@@ -60,40 +66,33 @@ class ValueBaseline:
                                             torch.nn.Linear(self.cfg.value_hidden, 1)).to(self.device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.cfg.value_lr)
 
-    @staticmethod
-    def positions(plan: StepPlan, rows: list[list[int]]) -> list[list[list[int]]]:
-        """Per minibatch, per row, the turn states' positions (``state_positions``): what the backend's
-        ``state_features`` gathers."""
-        return [[state_positions(plan.samples[i]) for i in batch_rows] for batch_rows in rows]
-
-    def targets(self, plan: StepPlan, rows: list[list[int]]) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
+    def targets(self, plan: StepPlan, rows: list[list[int]], positions: list[list[list[int]]]
+                ) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
         """The centred returns [M] (G_k less the group's mean at turn k) of the rows' turn states, in the order
-        ``state_features`` returns them, and where each row's turns are in them (row -> [first, end))."""
+        the features come, and where each row's turns are in them (row -> [first, end))."""
         centred = turn_advantages(plan.samples, normalize_std=False, gamma=self.cfg.gamma)
         targets: list[float] = []
         where: dict[int, tuple[int, int]] = {}
-        for batch_rows in rows:
-            for i in batch_rows:
-                n = len(state_positions(plan.samples[i]))
-                where[i] = (len(targets), len(targets) + n)
-                targets += centred[i][:n]
+        for batch_rows, batch_positions in zip(rows, positions, strict=True):
+            for i, pos in zip(batch_rows, batch_positions, strict=True):
+                where[i] = (len(targets), len(targets) + len(pos))
+                targets += centred[i][:len(pos)]
         if len(where) != len(plan.samples):  # a data-parallel rank sees part of the rows: not supported
             raise ValueError("the value baseline needs every row of the step on this process")
         return torch.tensor(targets, dtype=torch.float32, device=self.device), where
 
-    def rebaseline(self, algo: Algorithm, plan: StepPlan, rows: list[list[int]], features: list[torch.Tensor]
-                   ) -> Stats:
+    def rebaseline(self, algo: Algorithm, plan: StepPlan, rows: list[list[int]],
+                   batches: list[dict[str, torch.Tensor]]) -> Stats:
         """Set ``plan.token_advantages`` from the residuals against the head's values, then fit the head to the
-        batch's centred returns; ``features[k]`` [M_k, H] holds minibatch ``rows[k]``'s turn states' last hidden
-        states (``positions``' order). Raises ``ValueError`` on a non-finite value or fit: the step fails."""
+        batch's centred returns; ``batches[k]`` is minibatch ``rows[k]`` padded. A non-finite value shows as a
+        non-finite ``value_loss``, a diverged fit as ``value_fit_loss``: the caller fails the step on either."""
         if not plan.samples:
             return {}
-        g, where = self.targets(plan, rows)
-        x = torch.cat(features).detach().float()
+        positions = [[state_positions(plan.samples[i]) for i in batch_rows] for batch_rows in rows]
+        g, where = self.targets(plan, rows, positions)
+        x = torch.cat([self.features(b, p) for b, p in zip(batches, positions, strict=True)]).detach().float()
         with torch.no_grad():
             v = self.head(x).squeeze(-1)
-        if not bool(torch.isfinite(v).all()):
-            raise ValueError("non-finite value from the value head")
         baselines = [v[where[i][0]:where[i][1]].tolist() for i in range(len(plan.samples))]
         plan.token_advantages = algo.per_token_advantages(plan.samples, baselines)
         var = float(g.var(unbiased=False)) if g.numel() > 1 else 0.0
