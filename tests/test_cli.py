@@ -84,3 +84,14 @@ def test_refusals_name_what_they_are(tmp_path: Path, tiny_model_dir: Path) -> No
         preflight(cfg, str(path), "fresh")
     with pytest.raises(ConfigError, match=": not ready to run:"):
         preflight(cfg, str(path), "validate")
+
+
+def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.common import extras
+
+    assert extras.missing("wandb", "logging.wandb") is None  # the suite installs every extra
+    monkeypatch.setitem(extras.EXTRAS, "wandb", "no_such_package_for_tandem.sub")
+    message = extras.missing("wandb", "logging.wandb")
+    assert message is not None and "pip install 'tandem[wandb]'" in message and message.startswith("logging.wandb")
+    with pytest.raises(extras.MissingExtra, match=r"tandem\[wandb\]"):
+        extras.require("wandb", "logging.wandb")
