@@ -13,6 +13,8 @@ TORCH_PIP := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 CONFIG ?= configs/demo.yaml
 # make run UP_FLAGS=--resume continues the demo run; UP_FLAGS=--fresh deletes it and starts over
 UP_FLAGS ?=
+# pytest-xdist workers for make test (the machines have 2 cores)
+TEST_WORKERS ?= 2
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
 # tinker-cookbook, a CLIENT of `tandem serve`, in a virtualenv of its own: it pins transformers<=5.5.4,
@@ -75,7 +77,7 @@ dashboard-assets:
 
 test: install browser cookbook-venv docs
 	$(VENV)/bin/ruff check services tests docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
 # the generated reference is current, and the site builds with strict link checking (into build/site)
 docs: install
