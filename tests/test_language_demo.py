@@ -85,7 +85,7 @@ def test_dialogue_is_the_guessers_token_exact_view() -> None:
 
 
 def test_show_range_feedback_and_instructions() -> None:
-    env = GuessNumber({**GUESS_PARAMS, "instructions": "Reply with one integer."}, 11)
+    env = GuessNumber({**GUESS_PARAMS, "system": {"guesser": "Reply with one integer."}}, 11)
     assert env.system_prompt("guesser") == "Reply with one integer."
     assert GuessNumber(GUESS_PARAMS, 11).system_prompt("guesser") is None
     low = env.target - 1 if env.target > 1 else None

@@ -52,7 +52,8 @@ from services.play.evaluation import play_eval
 from services.play.local import EnginePlayers
 
 GUESS_PARAMS: dict[str, Any] = {"low": 1, "high": 100, "max_turns": 16, "turn_cost": 0.05,
-                                "format_penalty": 0.2, "show_range": True, "pad_range": True}
+                                "format_penalty": 0.2, "show_range": True, "pad_range": True,
+                                "system": {"guesser": ""}}  # the tiny model plays without a system message
 DEFAULT_MIX = (0.25, 0.25, 0.5)  # uniform in the range left, near its midpoint, towards an end
 MID_SPREAD = 0.15
 END_SCALE = 0.05

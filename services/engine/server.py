@@ -62,6 +62,9 @@ from services.inference.generator import Engine
 from services.inference.request import EngineError, GenRequest
 
 VERSION = "0.5.0-tandem-embedded"
+# a step (one prefill or decode) still running after this long is taken as hung; a shorter one is progress (a
+# real model's prefill of a full batch takes tens of seconds on a loaded CPU)
+STEP_STALL_S = 300.0
 _ROUTER_FIELDS = ROUTER_FIELDS  # the name the contract test reads
 
 
@@ -139,8 +142,10 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if engine.load()["num_reqs"] and time.monotonic() - engine.last_step_at < 5.0:
-            return Response(status_code=200)  # as SGLang: busy and making progress is healthy
+        now, started = time.monotonic(), engine.step_started_at
+        if engine.load()["num_reqs"] and (now - engine.last_step_at < 5.0 or (
+                started is not None and now - started < STEP_STALL_S)):
+            return Response(status_code=200)  # as SGLang: busy and making progress (a long prefill too) is healthy
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[engine.pad_id], temperature=0.0,
                          max_new_tokens=1)
         try:

@@ -4,8 +4,9 @@ The MinT multi-agent recipe's pattern. The question ``a <op> b`` is drawn
 from the seed (operands 0..``max_operand``, ops from ``ops``).
 
 Rewards, each role on its own answer: +1 right, 0 wrong, ``-format_penalty``
-when the reply holds no integer (the first integer in the reply counts). An
-unparseable first answer does not end the episode: B is shown "(no answer)".
+when the reply holds no integer (the last integer in the reply counts: "3 + 4 = 7" answers 7). An
+unparseable first answer does not end the episode: B is shown "(no answer)". Each role's default system
+message tells a chat model what to answer (``params.system`` replaces it; the demo models play without one).
 
 Scripted players: ``correct``, ``wrong`` (off by one) and ``copy`` (repeats
 the first answer, or answers correctly when it is first).
@@ -21,18 +22,19 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import ChatParams, EnvParams
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 INTEGER = re.compile(r"-?\d+")
 
 
-def first_int(reply: str) -> int | None:
-    m = INTEGER.search(reply)
-    return int(m.group()) if m else None
+def last_int(reply: str) -> int | None:
+    """The last integer of a reply ("3 + 4 = 7" gives 7), or None when it has none."""
+    found = INTEGER.findall(reply)
+    return int(found[-1]) if found else None
 
 
-class AnswerThenAnswerParams(EnvParams):
+class AnswerThenAnswerParams(ChatParams):
     max_operand: int = Field(9, ge=1, le=10**6)
     ops: str = Field("+-*", description="the operators questions draw from")
     format_penalty: float = Field(0.5, ge=0.0, le=10.0)
@@ -53,6 +55,11 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
 
     env_name: ClassVar[str] = "answer_then_answer"
     summary_measures: ClassVar[tuple[str, ...] | None] = ("first_right", "second_right", "copied")
+    default_system: ClassVar[dict[str, str]] = {
+        "first": "You are a calculator. Reply with only the number, nothing else.",
+        "second": ("You are a calculator. You see a question and another player's answer after 'A:', which may be "
+                   "wrong. Reply with only the right number, nothing else."),
+    }
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -75,11 +82,14 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
 
     async def step(self, role: str, reply: str) -> StepResult:
         self.check_turn(role)
-        self.replies[role] = first_int(reply)
+        self.replies[role] = last_int(reply)
+        info: dict[str, Any] = {"answer": self.replies[role]}
+        if self.replies[role] is None:  # no integer: a format failure, counted in the malformed/illegal rates
+            info["malformed"] = reply[:40] or "empty"
         if role == "first":
-            return StepResult(done=False, info={"answer": self.replies[role]})
+            return StepResult(done=False, info=info)
         return StepResult(done=True, rewards={r: self._reward(self.replies[r]) for r in self.roles},
-                          info={"answer": self.replies[role], "truth": self.answer})
+                          info={**info, "truth": self.answer})
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if player == "correct":

@@ -12,6 +12,8 @@ class's ``Params``, a pydantic model (params.py), declared once as the type argu
 (``class TicTacToe(Environment[TicTacToeParams])``); ``self.params`` is an instance.
 ``render`` (optional) draws a state for the
 dashboard's transcript browser: HTML or text, as ``render_format`` says.
+``default_system`` holds, per role, the system message that tells a chat model the protocol;
+``environment.params.system`` (``ChatParams``) replaces it per role, '' for none.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class Environment(ABC, Generic[P]):
     render_format: ClassVar[str] = "text"  # what ``render`` returns: "text" or "html" (a fragment)
     # the fields of ``summary()`` that evaluations average (``summary_means``); None: every number in it
     summary_measures: ClassVar[tuple[str, ...] | None] = None
+    # per role, the system message that tells a chat model the protocol (``params.system`` replaces it)
+    default_system: ClassVar[dict[str, str]] = {}
+    # a game: the final rewards say who won (win/draw/loss scores); otherwise evaluations report summary_means
+    is_game: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """``class X(Environment[XParams])`` (or a generic base's ``[XParams]``): X's ``Params`` is XParams."""
@@ -68,7 +74,13 @@ class Environment(ABC, Generic[P]):
     @classmethod
     def check_params(cls, params: Mapping[str, Any] | EnvParams) -> EnvParams:
         """``params`` validated as ``Params``; raises EnvParamError naming the bad parameter."""
-        return validate(cls.env_name or cls.__name__, cls.Params, params)
+        name = cls.env_name or cls.__name__
+        checked = validate(name, cls.Params, params)
+        unknown = [r for r in getattr(checked, "system", {}) if r not in cls.roles]
+        if unknown:
+            raise EnvParamError(f"{name}: system.{unknown[0]}: no such role (roles: {', '.join(cls.roles)})",
+                                f"system.{unknown[0]}")
+        return checked
 
     @abstractmethod
     def current_role(self) -> str:
@@ -100,8 +112,15 @@ class Environment(ABC, Generic[P]):
         """A reply for ``role`` by the scripted ``player`` (one of scripted_players)."""
 
     def system_prompt(self, role: str) -> str | None:
-        """An optional system message for ``role``'s chat (rendered by its agent's template)."""
-        return None
+        """The system message for ``role``'s chat (rendered by its agent's template): ``params.system``'s for the
+        role when it has one ('' for none), else ``default_system``'s; None when there is none."""
+        override: dict[str, str] = getattr(self.params, "system", {})
+        text = override[role] if role in override else self.default_system_prompt(role)
+        return text or None
+
+    def default_system_prompt(self, role: str) -> str:
+        """``role``'s default system message ('' for none): ``default_system``'s."""
+        return self.default_system.get(role, "")
 
     def summary(self) -> dict[str, Any]:
         """A small JSON-able description of the episode's state/outcome."""

@@ -1,8 +1,8 @@
 """Code with tests: single-agent (``code``) or coder and critic (``code_critic``).
 
 Each episode draws a small function-writing task from the seed (constants
-vary by seed). The reply's program (the first fenced code block, or the whole
-reply) must define ``f``; it runs with the task's test cases in the sandbox
+vary by seed). The reply's program (the first fenced code block, closed or cut short by the token
+limit, else the reply from its first ``def f`` on) must define ``f``; it runs with the task's test cases in the sandbox
 (sandbox.py: CPU time, memory, wall clock, no network, stripped environment).
 Score: the fraction of test cases passed (1 only when all pass). A reply that
 does not compile or defines no ``f`` is unparseable (``-format_penalty``).
@@ -27,20 +27,27 @@ from pydantic import Field
 from services.envs.sandbox import run_python
 from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
-FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+DEF_F = re.compile(r"^def f\s*\(", re.MULTILINE)
 
 
-def extract_program(reply: str) -> str | None:
-    """The program in a reply, or None if it does not compile or defines no function ``f``."""
-    m = FENCE.search(reply)
-    source = m.group(1) if m else reply
+def _defines_f(source: str) -> bool:
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return None
-    if not any(isinstance(n, ast.FunctionDef) and n.name == "f" for n in tree.body):
-        return None
-    return source
+        return False
+    return any(isinstance(n, ast.FunctionDef) and n.name == "f" for n in tree.body)
+
+
+def extract_program(reply: str) -> str | None:
+    """The program in a reply: the first fenced block (closed, or cut short at the reply's end), else the whole
+    reply, else the reply from its first ``def f`` on (prose before the code); None if none compiles and
+    defines a function ``f``."""
+    m = FENCE.search(reply)
+    candidates = [m.group(1)] if m else [reply]
+    if m is None and (d := DEF_F.search(reply)) is not None:
+        candidates.append(reply[d.start():])
+    return next((c for c in candidates if _defines_f(c)), None)
 
 
 @dataclass
@@ -95,6 +102,13 @@ class CodeParams(VerifiableParams):
 
 class _CodeMixin(_Verifiable[CodeParams]):
     env_name: ClassVar[str] = "code"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("score", "right", "unparsed")
+    default_system: ClassVar[dict[str, str]] = {
+        "solver": ("You write Python. Reply with only a function named f in a ```python code block: no "
+                   "explanation, no tests, no example calls."),
+        "critic": ("You check another player's Python function. Reply with one word: CORRECT if it does what the "
+                   "task asks, WRONG if it does not."),
+    }
 
     def make_task(self, rng: random.Random) -> Task:
         p = self.params

@@ -17,6 +17,8 @@ Rewards are zero-sum from the verdict: winner +1, loser -1, tie 0 each. An
 unparseable verdict counts as a tie, and the judge gets ``-format_penalty``
 (the judge is not otherwise rewarded).
 
+Each role's default system message tells a chat model its part (``params.system`` replaces it).
+
 Scripted players: ``rules`` (judge), ``evidence`` (a debater citing its side's
 evidence words, one more per round), ``silent`` (an empty argument).
 """
@@ -30,7 +32,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import ChatParams, EnvParams
 
 MOTIONS: tuple[dict[str, Any], ...] = (
     {"motion": "cities should ban cars", "pro": ("air", "safety", "noise", "space", "transit"),
@@ -48,7 +50,7 @@ def count_evidence(arguments: list[str], words: tuple[str, ...]) -> int:
     return sum(1 for w in words if w in text)
 
 
-class DebateParams(EnvParams):
+class DebateParams(ChatParams):
     rounds: int = Field(2, ge=1, le=10, description="arguments per side")
     max_chars: int = Field(200, ge=1, le=10000, description="an argument is cut to this length")
     format_penalty: float = Field(0.5, ge=0.0, le=10.0)
@@ -63,6 +65,15 @@ class Debate(Environment[DebateParams]):
         "rules": ("judge",), "evidence": ("pro", "con"), "silent": ("pro", "con")}
 
     env_name: ClassVar[str] = "debate"
+    is_game: ClassVar[bool] = True  # zero-sum: the verdict is a win, a tie or a loss
+    default_system: ClassVar[dict[str, str]] = {
+        side: (f"You are in a debate and argue {side.upper()} the motion you are given. Each turn, reply with one "
+               "short argument of one or two sentences that uses concrete reasons (for example costs, safety, "
+               "health, jobs, the future). Do not argue for the other side.")
+        for side in ("pro", "con")} | {
+        "judge": ("You judge a debate. Read the motion and the arguments, then reply with one word: PRO if the "
+                  "side for the motion argued better, CON if the side against it did, TIE if neither."),
+    }
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)

@@ -6,7 +6,10 @@ patient's true answer. The patient sees the case's facts, never needs the
 diagnosis name, and must not say it.
 
 Protocol
-* The doctor replies ``ask <topic>`` or ``diagnose <name>`` (one of ``DIAGNOSES``).
+* The doctor replies ``ask <topic>`` or ``diagnose <name>`` (one of ``DIAGNOSES``), read leniently
+  (``parse_action``): either form anywhere in the reply; else a reply that speaks of a diagnosis
+  ("My diagnosis is flu.") and names exactly one counts as diagnosing it, and one that names exactly one
+  topic ("Do you have a fever?") as asking about it.
 * After ``ask``, the patient answers in free text. Any other doctor reply costs
   the doctor the format penalty but still reaches the patient as a free-form
   question (so the patient always has turns to learn from); its answer is then
@@ -26,6 +29,8 @@ Rewards
   empty answer; 0 for an answer to a free-form question that neither leaks
   nor is empty.
 
+Each role's default system message tells a chat model its part (``params.system`` replaces it).
+
 Scripted players: doctor ``systematic`` (asks the topics that separate the
 diagnoses still possible, then diagnoses) and ``random``; patient
 ``faithful`` (the case's fact), ``leaky`` (the fact plus the diagnosis) and ``liar``.
@@ -40,7 +45,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import ChatParams, EnvParams
 
 TOPICS = ("fever", "cough", "rash", "headache", "vomiting", "duration", "travel", "pain")
 CASES: tuple[dict[str, Any], ...] = (
@@ -59,7 +64,24 @@ CASES: tuple[dict[str, Any], ...] = (
                                        "vomiting": "no", "duration": "2 weeks", "travel": "no", "pain": "none"}},
 )
 DIAGNOSES = tuple(c["diagnosis"] for c in CASES)
-ACTION = re.compile(r"^\s*(ask|diagnose)\s+([a-z]+)\s*\.?\s*$", re.IGNORECASE)
+ACTION = re.compile(r"\b(ask|diagnose)\b\W*(?:about\s+|with\s+|as\s+|the\s+|a\s+)*([a-z]+)", re.IGNORECASE)
+TOPIC_FORMS = {"feverish": "fever", "coughing": "cough", "rashes": "rash", "headaches": "headache",
+               "vomit": "vomiting", "vomited": "vomiting", "long": "duration", "travelled": "travel",
+               "traveled": "travel", "hurt": "pain", "hurts": "pain"}  # other forms of a topic
+
+
+def parse_action(reply: str) -> tuple[str, str] | None:
+    """("ask", topic) or ("diagnose", name) from a doctor's reply, or None (see the module's protocol)."""
+    for m in ACTION.finditer(reply):
+        verb, word = m.group(1).lower(), m.group(2).lower()
+        if (verb == "ask" and word in TOPICS) or (verb == "diagnose" and word in DIAGNOSES):
+            return verb, word
+    words = re.findall(r"[a-z]+", reply.lower())
+    named = {w for w in words if w in DIAGNOSES}
+    if len(named) == 1 and any(w.startswith("diagnos") for w in words):
+        return "diagnose", named.pop()
+    topics = {TOPIC_FORMS.get(w, w) for w in words} & set(TOPICS)
+    return ("ask", topics.pop()) if len(topics) == 1 and not named else None
 
 
 def judge_answer(answer: str, fact: str, diagnosis: str) -> tuple[str, bool]:
@@ -77,7 +99,7 @@ def judge_answer(answer: str, fact: str, diagnosis: str) -> tuple[str, bool]:
     return ("contradicts" if any(o in " ".join(words) for o in others) else "incomplete"), leaked
 
 
-class DoctorPatientParams(EnvParams):
+class DoctorPatientParams(ChatParams):
     max_turns: int = Field(8, ge=1, le=50, description="doctor turns")
     turn_cost: float = Field(0.05, ge=0.0, le=1.0, description="doctor, per turn")
     answer_reward: float = Field(0.2, ge=0.0, le=10.0, description="patient, per consistent answer")
@@ -95,6 +117,16 @@ class DoctorPatient(Environment[DoctorPatientParams]):
         "liar": ("patient",)}
 
     env_name: ClassVar[str] = "doctor_patient"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("right", "doctor_turns", "consistent", "leaks")
+    default_system: ClassVar[dict[str, str]] = {
+        "doctor": ("You are a doctor. Find the patient's illness, one of: " + ", ".join(DIAGNOSES) + ". Each turn "
+                   "reply with exactly one short line: 'ask <topic>' with one topic from: " + ", ".join(TOPICS)
+                   + " (example: 'ask fever'), or, when you are sure, 'diagnose <illness>' (example: 'diagnose "
+                   "flu'). Write nothing else."),
+        "patient": ("You are a patient. You are told your symptoms. Answer the doctor's question about one of them "
+                    "in a few words, truthfully: start with yes or no for a yes/no symptom, or give the detail "
+                    "(how long, where it hurts). Do not guess the name of your illness."),
+    }
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -138,8 +170,7 @@ class DoctorPatient(Environment[DoctorPatientParams]):
             return self.turn_result({"patient": r}, {"verdict": verdict, "leaked": leaked},
                                     out_of_turns=self.doctor_turns >= p.max_turns)
         self.doctor_turns += 1
-        m = ACTION.match(reply)
-        verb, word = (m.group(1).lower(), m.group(2).lower()) if m else ("", "")
+        verb, word = parse_action(reply) or ("", "")
         if verb == "diagnose" and word in DIAGNOSES:
             self.diagnosis = word
             right = word == self.case["diagnosis"]
@@ -184,4 +215,5 @@ class DoctorPatient(Environment[DoctorPatientParams]):
 
     def summary(self) -> dict[str, Any]:
         return {"case": self.case["diagnosis"], "diagnosis": self.diagnosis, "doctor_turns": self.doctor_turns,
-                "answers": self.verdicts, "leaks": self.leaks}
+                "answers": self.verdicts, "leaks": self.leaks, "right": int(self.diagnosis == self.case["diagnosis"]),
+                "consistent": self.verdicts.count("consistent")}

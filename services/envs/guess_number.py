@@ -1,13 +1,14 @@
 """Guess the number: one role against a programmatic answerer (docs/architecture.md §8, Tinker cookbook pattern).
 
 The guesser must find a hidden integer in [low, high] (drawn from the seed, so
-the G copies of a group share it). Each reply must be an integer; the answerer
-says "too low", "too high" or ends the episode when it is right.
+the G copies of a group share it). A reply's guess is its last integer ("My guess is 50." counts); the
+answerer says "too low", "too high" or ends the episode when it is right. The guesser's default system
+message tells a chat model the game (``params.system`` replaces it; the demo model plays without one).
 
 Rewards (role ``guesser``)
 * +1 when the number is found (final);
 * ``-turn_cost`` per guess (per-turn reward), so fewer guesses score more;
-* ``-format_penalty`` per reply that is not an integer in range; the episode
+* ``-format_penalty`` per reply with no integer, or whose last integer is out of range; the episode
   goes on (the reply costs a turn).
 * ``-info_shaping`` x the guess's shortfall in expected information (``bits_shortfall``), a shaping
   term, off by default: the bits a best guess (a midpoint of the range the answers allow) is expected
@@ -37,12 +38,18 @@ from typing import Any, ClassVar
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import SHAPING, EnvParams
+from services.envs.params import SHAPING, ChatParams, EnvParams
 
-NUMBER = re.compile(r"^\s*(-?\d+)\s*\.?\s*$")
+INTEGER = re.compile(r"-?\d+")
 
 
-class GuessNumberParams(EnvParams):
+def last_int(reply: str) -> int | None:
+    """The last integer of a reply, or None when it has none."""
+    found = INTEGER.findall(reply)
+    return int(found[-1]) if found else None
+
+
+class GuessNumberParams(ChatParams):
     low: int = Field(1, description="smallest number")
     high: int = Field(16, description="largest number (greater than low)")
     max_turns: int = Field(6, ge=1, le=100)
@@ -54,8 +61,6 @@ class GuessNumberParams(EnvParams):
     show_range: bool = Field(False, description="the feedback also states the range the answers so far allow")
     pad_range: bool = Field(False, description="with show_range: both ends of the range zero-padded to the "
                             "width of high (51-100 -> 051-100)")
-    instructions: str = Field("", max_length=2000, description="a system message for the guesser (for a real "
-                              "chat model, e.g. 'Reply with only your guess, one integer.'); empty: none")
 
     @field_validator("high")
     @classmethod
@@ -111,20 +116,23 @@ class GuessNumber(Environment[GuessNumberParams]):
     def observation(self, role: str) -> str:
         return self.feedback
 
-    def system_prompt(self, role: str) -> str | None:
-        return self.params.instructions or None
+    def default_system_prompt(self, role: str) -> str:
+        """The game told to a chat model, with this episode's range."""
+        return (f"We play a guessing game. I am thinking of an integer from {self.low} to {self.high}. "
+                "Guess it. After each guess I say whether your guess is too low or too high. Reply with only "
+                "your guess: one integer, nothing else.")
 
     async def step(self, role: str, reply: str) -> StepResult:
         self.turns += 1
-        m = NUMBER.match(reply)
+        value = last_int(reply)
         turn = {"guesser": -self.params.turn_cost}
-        if m is None or not self.low <= int(m.group(1)) <= self.high:
+        if value is None or not self.low <= value <= self.high:
             self.malformed += 1
             turn["guesser"] -= self.params.format_penalty + self.params.info_shaping * self.best_bits()
             self.feedback = f"Reply with one integer, {self.low}-{self.high}."
             info: dict[str, Any] = {"malformed": reply[:40]}
         else:
-            guess = int(m.group(1))
+            guess = value
             info = {"guess": guess}
             if self.params.info_shaping:
                 turn["guesser"] -= self.params.info_shaping * bits_shortfall(self.lo, self.hi, guess)

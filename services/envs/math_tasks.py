@@ -62,6 +62,12 @@ class MathParams(VerifiableParams):
 
 class _MathMixin(_Verifiable[MathParams]):
     env_name: ClassVar[str] = "math"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("score", "right", "unparsed")
+    default_system: ClassVar[dict[str, str]] = {
+        "solver": "You are a calculator. Solve the problem. Reply with only the final integer, nothing else.",
+        "critic": ("You check another player's answer to a math problem. Reply with one word: CORRECT if the "
+                   "answer is right, WRONG if it is not."),
+    }
 
     def make_task(self, rng: random.Random) -> Task:
         return make_math_task(rng, [k.strip() for k in self.params.kinds.split(",")], self.params.max_operand)

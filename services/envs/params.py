@@ -1,14 +1,16 @@
 """Environment parameters as pydantic models: each environment declares ``Params`` (a subclass of
 ``EnvParams``); ``validate`` turns a validation error into an ``EnvParamError`` naming the parameter,
 ``describe`` lists the parameters for ``tandem envs``, and ``unshaped`` drops the reward-shaping ones
-(``Field(json_schema_extra=SHAPING)``) for evaluations, which score the game itself."""
+(``Field(json_schema_extra=SHAPING)``) for evaluations, which score the game itself. ``ChatParams`` is the base
+of the environments played in words: its ``system`` replaces, per role, the environment's default system
+message (the protocol told to a chat model)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
 SHAPING: dict[str, Any] = {"shaping": True}  # a parameter's json_schema_extra: reward shaping, training only
@@ -31,6 +33,15 @@ class EnvParams(BaseModel):
 
 class NoParams(EnvParams):
     """An environment without parameters."""
+
+
+class ChatParams(EnvParams):
+    """Parameters of an environment played in words: ``system`` maps a role to the system message that replaces
+    the environment's default one for that role (``Environment.default_system``); an empty string gives that
+    role no system message (the tiny demo models, trained without one)."""
+
+    system: dict[str, str] = Field(default_factory=dict, description="per role, a system message replacing the "
+                                   "environment's default (which tells a chat model the protocol); '': none")
 
 
 def validate(env: str, model: type[EnvParams], params: Mapping[str, Any] | EnvParams) -> EnvParams:

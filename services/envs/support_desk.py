@@ -12,7 +12,8 @@ the cap. Nobody may refund more than the order amount.
 
 Protocol (customer -> agent [-> customer ...] [-> manager] -> end)
 * customer: states the issue and the amount in free text ("my parcel is lost,
-  $40"); the first issue word and the first number count. A reply with no issue
+  $40"); the first issue word (or a plain word for it: ``ISSUE_WORDS``, "broken" for damaged) and the
+  first number count. A reply with no issue
   word is a format failure (-``format_penalty``); a wrong issue or a claimed
   amount other than the true one costs ``misstate_penalty``; a clear and true
   statement earns ``clarity_reward`` (per turn).
@@ -35,6 +36,8 @@ Final rewards
 An unconsulted manager gets 0 (and no sample). ``summary()["format_failures"]``
 counts format failures per role.
 
+Each role's default system message tells a chat model its part (``params.system`` replaces it).
+
 Scripted players: customer ``honest``, ``vague`` (no issue word), ``greedy``
 (claims double); agent ``by_policy`` (right action, escalates only refunds over
 the cap), ``always_escalate``, ``overrefund`` (refunds the claim, never
@@ -51,20 +54,22 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import ChatParams, EnvParams
 
 ISSUES: dict[str, str] = {"damaged": "refund", "overcharged": "refund", "lost": "reship", "locked": "reset"}
 STORIES = {"damaged": "your order arrived broken", "overcharged": "you were charged twice for an order",
            "lost": "your parcel never arrived", "locked": "you cannot log in to your account"}
 AMOUNTS = (20, 30, 45, 60, 90, 150)
-ACTION = re.compile(r"\b(refund|reship|reset|escalate|ask|deny)\b(?:\D{0,3}?(\d+))?", re.IGNORECASE)
+ISSUE_WORDS = {"broken": "damaged", "damage": "damaged", "overcharge": "overcharged", "twice": "overcharged",
+               "missing": "lost", "lock": "locked"}  # plain words a customer uses for an issue
+ACTION = re.compile(r"\b(refund|reship|reset|escalate|ask|deny)\b(?:[^\d.!?]{0,12}?(\d+))?", re.IGNORECASE)
 AGENT_VERBS = ("refund", "reship", "reset", "escalate", "ask")
 MANAGER_VERBS = ("refund", "reship", "reset", "deny")
 
 
 def parse_claim(text: str) -> tuple[str | None, int | None]:
     """(first issue word, first number) of a customer's message; None where absent."""
-    words = re.findall(r"[a-z]+", text.lower())
+    words = [ISSUE_WORDS.get(w, w) for w in re.findall(r"[a-z]+", text.lower())]
     issue = next((w for w in words if w in ISSUES), None)
     number = re.search(r"\d+", text)
     return issue, int(number.group()) if number else None
@@ -83,7 +88,7 @@ def parse_action(text: str, verbs: tuple[str, ...]) -> tuple[str, int | None] | 
     return None
 
 
-class SupportDeskParams(EnvParams):
+class SupportDeskParams(ChatParams):
     refund_cap: int = Field(50, ge=0, le=10000, description="support's refund limit; above it needs the manager")
     max_asks: int = Field(1, ge=0, le=5, description="times support may ask the customer to restate")
     resolve_reward: float = Field(1.0, ge=0.0, le=10.0, description="everyone consulted, ticket resolved")
@@ -108,6 +113,19 @@ class SupportDesk(Environment[SupportDeskParams]):
         "by_policy": ("agent",), "always_escalate": ("agent",), "overrefund": ("agent",),
         "by_record": ("manager",), "rubber_stamp": ("manager",), "deny": ("manager",)}
     env_name: ClassVar[str] = "support_desk"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("resolved", "escalated", "asks", "format_failures")
+    default_system: ClassVar[dict[str, str]] = {
+        "customer": ("You are a customer writing to support. Say in one short sentence what went wrong, using one "
+                     "of the words damaged, overcharged, lost or locked, and the order amount in dollars. Example: "
+                     "'My order arrived damaged, it cost $30.'"),
+        "agent": ("You are a support agent. Read the customer's message and reply with exactly one action: "
+                  "'refund <amount>' for a damaged or overcharged order, 'reship' for a lost parcel, 'reset' for a "
+                  "locked account, 'escalate' to pass the ticket to your manager (needed for a refund above your "
+                  "limit), or 'ask' to ask the customer to restate. Write nothing else."),
+        "manager": ("You are a support manager deciding an escalated ticket from the order record. Reply with "
+                    "exactly one action: 'refund <amount>' for a damaged or overcharged order, 'reship' for a lost "
+                    "parcel, 'reset' for a locked account, or 'deny'. Write nothing else."),
+    }
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)

@@ -79,6 +79,7 @@ class TextArena(Environment[TextArenaParams]):
                                   "invalid-move handling and +1/-1/0 rewards.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random",)
     env_name: ClassVar[str] = "textarena"
+    is_game: ClassVar[bool] = True  # two-player games: win, draw or loss
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)

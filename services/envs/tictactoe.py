@@ -161,6 +161,7 @@ class TicTacToe(Environment[TicTacToeParams]):
                                   "illegal_reward (default -1); tactic_penalty (default 0) shapes training.")
     scripted_players: ClassVar[tuple[str, ...]] = ("random", "tactical", "minimax")
     env_name: ClassVar[str] = "tictactoe"
+    is_game: ClassVar[bool] = True
     render_format: ClassVar[str] = "html"
     summary_measures: ClassVar[tuple[str, ...] | None] = ("missed_wins", "missed_blocks")
 

@@ -8,8 +8,12 @@ Protocol
 * The asker replies ``is it <attribute>?`` (an attribute of the table) or
   ``is it <object>?`` (a guess). Guesses are settled by the environment: a
   right one ends the episode; a wrong one is answered "no" and costs a question.
+  Read leniently (``parse_question``): the first ``is it X`` in the reply whose X is
+  known, else the one attribute or object the reply names (a reply naming none, or
+  several, is malformed).
 * Attribute questions go to the answerer, who sees the secret object and must
-  reply ``yes`` or ``no`` (the first word counts). The asker then sees the answer.
+  reply ``yes`` or ``no`` (the first of those words in the reply counts). The asker then sees the answer.
+Each role's default system message (``default_system``) tells a chat model this protocol.
 
 Rewards
 * asker: +1 for naming the object (final); ``-question_cost`` per question
@@ -34,7 +38,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import ChatParams, EnvParams
 
 ATTRIBUTES = ("alive", "animal", "edible", "metal", "big", "wild", "flies", "swims", "red", "electric")
 _ROWS = {  # object: attributes that are true; every other attribute is false
@@ -52,15 +56,35 @@ _ROWS = {  # object: attributes that are true; every other attribute is false
     "submarine": {"metal", "big", "swims", "electric"},
 }
 TABLE: dict[str, dict[str, bool]] = {o: {a: a in s for a in ATTRIBUTES} for o, s in _ROWS.items()}
-QUESTION = re.compile(r"^\s*is it (?:an? )?([a-z]+)\s*\??\s*$", re.IGNORECASE)
+QUESTION = re.compile(r"\bis it (?:an? |the )?([a-z]+)", re.IGNORECASE)
+ALIASES = {"fly": "flies", "flying": "flies", "swim": "swims", "swimming": "swims", "living": "alive",
+           "metallic": "metal", "large": "big", "animals": "animal"}  # other forms of an attribute
+KNOWN = frozenset(ATTRIBUTES) | frozenset(TABLE)
+
+
+def _known(word: str) -> str | None:
+    word = ALIASES.get(word.lower(), word.lower())
+    return word if word in KNOWN else None
+
+
+def parse_question(reply: str) -> str | None:
+    """The attribute or object a question asks about: the first ``is it X`` with X known, else the only known
+    word the reply names; None when it names none or several."""
+    for m in QUESTION.finditer(reply):
+        if (word := _known(m.group(1))) is not None:
+            return word
+    named = {w for w in map(_known, re.findall(r"[a-z]+", reply.lower())) if w is not None}
+    return named.pop() if len(named) == 1 else None
 
 
 def yes_no(reply: str) -> bool | None:
+    """The first yes or no word of the reply; None when it has neither."""
     words = re.findall(r"[a-z]+", reply.lower())
-    return {"yes": True, "no": False}.get(words[0]) if words else None
+    said = next((w for w in words if w in ("yes", "no")), None)
+    return None if said is None else said == "yes"
 
 
-class TwentyQuestionsParams(EnvParams):
+class TwentyQuestionsParams(ChatParams):
     max_questions: int = Field(20, ge=1, le=100)
     question_cost: float = Field(0.02, ge=0.0, le=1.0, description="asker, per question")
     truth_reward: float = Field(0.1, ge=0.0, le=10.0, description="answerer, + per true answer, - per lie")
@@ -76,6 +100,16 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         "halving": ("asker",), "truthful": ("answerer",), "liar": ("answerer",)}
 
     env_name: ClassVar[str] = "twenty_questions"
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("found", "questions", "truthful", "lies", "malformed")
+    default_system: ClassVar[dict[str, str]] = {
+        "asker": ("We play twenty questions. I am thinking of one of these objects: " + ", ".join(sorted(TABLE))
+                  + ". Find it by asking yes/no questions about these attributes: " + ", ".join(ATTRIBUTES)
+                  + ". Each reply must be one short question of the form 'Is it <word>?', where <word> is one "
+                  "attribute or, to guess, one object. Example: 'Is it alive?' or 'Is it a cat?'. Write nothing "
+                  "else."),
+        "answerer": ("We play twenty questions. You know the secret object. Answer each question about it "
+                     "truthfully with one word: 'yes' or 'no'. Write nothing else."),
+    }
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -119,8 +153,7 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
             self.asker_note = f"{self.pending}? {'yes' if said else 'no'}."
             self.answerer_note = ""
             return self._asked({"answerer": p.truth_reward if ok else -p.truth_reward}, {"truthful": ok})
-        m = QUESTION.match(reply)
-        word = m.group(1).lower() if m else ""
+        word = parse_question(reply) or ""
         cost = {"asker": -p.question_cost}
         if word in TABLE:
             if word == self.secret:

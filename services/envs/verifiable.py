@@ -15,6 +15,8 @@ solver sees the critique and answers again, and its final answer is graded.
   its score is 1), -1 when wrong, ``-format_penalty`` when it gives no verdict
   (the solver is then shown "(no verdict)" and the episode goes on).
 
+Each task family's ``default_system`` tells a chat model, per role, the form of its reply.
+
 Scripted players: solver ``oracle`` (the reference answer) and ``wrong``;
 critic ``oracle`` (always right), ``yes`` (always CORRECT).
 """
@@ -30,7 +32,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import Field, create_model
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import EnvParams
+from services.envs.params import ChatParams, EnvParams
 
 VERDICT = re.compile(r"\b(correct|wrong)\b", re.IGNORECASE)
 
@@ -46,7 +48,7 @@ class Task(ABC):
         """The reply's score in [0, 1]; None when it cannot be parsed."""
 
 
-class VerifiableParams(EnvParams):
+class VerifiableParams(ChatParams):
     format_penalty: float = Field(0.5, ge=0.0, le=10.0, description="per unparseable reply")
 
 
@@ -93,8 +95,12 @@ class _Verifiable(Environment[VP]):
         raise ValueError(f"scripted player {player!r} cannot play {role!r}; choose from {self.scripted_players}")
 
     def summary(self) -> dict[str, Any]:
+        """The episode, and what evaluations average: the final answer's ``score`` (0 when unparsed), whether it
+        is ``right``, and how many of the solver's answers could not be parsed (``unparsed``)."""
+        final = self.scores[-1] if self.scores else None
         return {"task": self.task.prompt[:200], "reference": self.task.reference[:200], "scores": self.scores,
-                "replies": [(r, t[:200]) for r, t in self.replies]}
+                "replies": [(r, t[:200]) for r, t in self.replies], "score": final or 0.0,
+                "right": int(final == 1.0), "unparsed": sum(s is None for s in self.scores)}
 
 
 class SolveEnv(_Verifiable):

