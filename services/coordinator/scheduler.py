@@ -28,11 +28,12 @@ from services.contracts.messages import Control, Event, GenerateReply, GenerateR
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
 from services.coordinator import evals, failures, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
+from services.coordinator.facts import OwnerFacts
 from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.replies import ReplyCheck
 from services.coordinator.report import write_report
-from services.coordinator.state import RunState, finite
+from services.coordinator.state import RunState, finite, train_step_entry
 from services.envs.registry import check_environment_config
 from services.play.episode import EpisodeResult, group_scripted_rng, play_episode
 from services.play.local import LocalPlayers  # torch is imported when a Local player first plays
@@ -73,6 +74,7 @@ class Coordinator:
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play, self.k_failed = bus.streams.key("coord:train_play"), bus.streams.key("coord:episodes_failed")
         self.replies = ReplyCheck(cfg, bus)  # engine replies checked before they enter an episode (replies.py)
+        self.facts = OwnerFacts(bus, cfg.run.checkpoint_root)  # what events announce, read from the owners
 
     async def restore(self) -> None:
         """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
@@ -115,10 +117,11 @@ class Coordinator:
                 fut.set_result(reply)
 
     async def on_event(self, ev: Event) -> None:
-        if ev.kind == "weights_loaded" and ev.agent in self.pool_paths and ev.path:
-            if ev.path not in self.pool_paths[ev.agent]:
-                self.pool_paths[ev.agent].append(ev.path)
-            self.version_paths[ev.agent][ev.weight_version] = ev.path
+        """Events notify; versions and step metrics come from their owners' records (facts.py: else Reject)."""
+        fact = await self.facts.weights_loaded(ev) if ev.kind == "weights_loaded" else None
+        if fact is not None and fact.path is not None and ev.agent in self.pool_paths:
+            self.version_paths[ev.agent][fact.version] = fact.path
+            self.pool_paths[ev.agent] += [] if fact.path in self.pool_paths[ev.agent] else [fact.path]
         if ev.kind == "rollout_load" and ev.agent not in self.engines_ready and any(
                 e.healthy for e in ev.engines):
             self.engines_ready.add(ev.agent)  # frozen agents too: they have no AgentState
@@ -126,14 +129,13 @@ class Coordinator:
         agent = self.state.agents.get(ev.agent)
         if agent is None:
             return
-        if ev.kind == "weights_loaded":
-            agent.loaded_weight_version = max(agent.loaded_weight_version, ev.weight_version)
-            if ev.weight_version not in agent.loaded_weight_versions:
-                agent.loaded_weight_versions.append(ev.weight_version)
+        if fact is not None:
+            agent.loaded_weight_version = max(agent.loaded_weight_version, fact.version)
+            if fact.version not in agent.loaded_weight_versions:
+                agent.loaded_weight_versions.append(fact.version)
         elif ev.kind == "train_step" and all(t.get("weight_version") != ev.weight_version for t in agent.train_steps):
-            agent.train_steps.append({**finite(ev.metrics), "weight_version": ev.weight_version,
-                                      "batch_weight_version": ev.batch_weight_version,
-                                      "time": ev.created_at})  # once per version (re-sends)
+            entry = train_step_entry(await self.facts.train_step(ev))  # the committed record's metrics
+            agent.train_steps.append({**finite(entry), "time": ev.created_at})  # once per version (re-sends)
         elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
             agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
             for g in ev.group_ids:  # replaced by new groups; the buffer releases a batch in its place

@@ -1,0 +1,80 @@
+"""Events notify, owners' records decide (services/coordinator/facts.py); an engine loads only committed weights
+(services/common/weights_auth.py ``load_refusal``), whatever token its caller holds.
+
+Real Redis, the real bus consume loop, the real coordinator class and the real embedded engine app."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.bus import Bus
+from services.contracts.codec import FIELD, decode
+from services.contracts.config import parse_config
+from services.contracts.messages import DeadLetter, TrainStep, WeightsLoaded
+from services.coordinator.scheduler import Coordinator
+from tests.helpers import commit_version
+
+STEP = {"loss": 0.5, "reward_mean": 0.25}
+
+
+async def dead_letters(bus: Bus, n: int) -> list[DeadLetter]:
+    letters: list[DeadLetter] = []
+    for _ in range(200):
+        letters = [decode(f[FIELD], DeadLetter) for _, f in await bus.redis.xrange(bus.streams.deadletter)]
+        if len(letters) >= n:
+            break
+        await asyncio.sleep(0.05)
+    return letters
+
+
+async def test_forged_weights_loaded_and_train_step_events_are_dead_lettered(redis_url: str, tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """The forgery issue 33 found (one XADD of ``weights_loaded`` version 999 ended A's training early) moves
+    nothing: the coordinator takes versions and metrics from the rollout's key and the trainer's log only."""
+    cfg = parse_config({"run": {"name": "tb", "total_steps": 3, "output_dir": str(tmp_path / "runs")},
+                        "redis_url": redis_url, "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    coord = Coordinator(cfg, Bus(redis_url, "tb", "coordinator"))
+    await coord.restore()
+    hostile = Bus(redis_url, "tb", "rollout-A")
+    s = hostile.streams
+    await commit_version(hostile, "A", 1, metrics=STEP, loaded=True)  # the genuine version 1
+    events = [WeightsLoaded(source="rollout-A", agent="A", weight_version=999, path=str(tmp_path), engines=[]),
+              TrainStep(source="trainer-A", agent="A", weight_version=7, batch_weight_version=6, metrics={"loss": 9.0}),
+              WeightsLoaded(source="rollout-A", agent="A", weight_version=1, path="/elsewhere", engines=[]),
+              TrainStep(source="trainer-A", agent="A", weight_version=1, batch_weight_version=1, metrics={"loss": 9.0})]
+    for ev in events:
+        await hostile.publish(s.events, ev)
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(coord.bus.consume(s.events, "coordinator", "coordinator", coord.on_event, stop))
+    letters = await dead_letters(hostile, 2)
+    for _ in range(100):  # the genuine two are taken after the forged ones
+        if coord.state.agents["A"].train_steps:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await consumer
+    reasons = sorted(letter.reason for letter in letters)
+    assert len(reasons) == 2, reasons
+    assert "version 7" in reasons[0] and "never committed" in reasons[0]
+    assert "version 999" in reasons[1] and "its loaded version is 1" in reasons[1]
+    a = coord.state.agents["A"]
+    assert a.loaded_weight_version == 1 and not a.finished  # not ended early
+    assert [t["weight_version"] for t in a.train_steps] == [1]
+    assert a.train_steps[0]["loss"] == 0.5  # the committed record's metrics, not the event's 9.0
+    assert coord.version_paths["A"][1] == "/ckpt/A/v1" and "/elsewhere" not in coord.pool_paths["A"]
+    (group,) = await hostile.redis.xinfo_groups(s.events)
+    assert int(group["pending"]) == 0
+    await coord.bus.close()
+    await hostile.close()
+
+
+@pytest.fixture
+def secret_env(monkeypatch: pytest.MonkeyPatch) -> bytes:
+    monkeypatch.setenv("TANDEM_WEIGHTS_SECRET", "trust-test-secret")
+    return b"trust-test-secret"
