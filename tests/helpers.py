@@ -63,6 +63,15 @@ async def commit_version(bus: Bus, agent: str, version: int, *, path: str | None
     return rec
 
 
+def signed_proof(path: str | Path, agent: str, version: int) -> Any:
+    """The trainer's proof of ``path`` as ``version`` of ``agent``, signed with the tests' run secret (conftest):
+    what an engine started for that agent (``--agent``) needs before it loads it."""
+    from services.common.weights_auth import WeightsProof, run_secret, sign, weights_checksum
+
+    checksum = weights_checksum(path)
+    return WeightsProof(checksum=checksum, signature=sign(run_secret(), agent, version, str(path), checksum))
+
+
 def completion_sample(prompt: Sequence[int], out: Sequence[int], reward: float, group: str, version: int = 0,
                       logp: float = -5.0) -> Sample:
     """A sample whose prompt is masked out and whose completion ``out`` was sampled with logprob ``logp`` a token."""

@@ -10,14 +10,14 @@ import shutil
 from pathlib import Path
 
 import httpx
-import pytest
 
 from services.common.bus import Bus
+from services.common.weights_auth import run_secret
 from services.contracts.codec import FIELD, decode
 from services.contracts.config import parse_config
 from services.contracts.messages import DeadLetter, TrainStep, WeightsLoaded
 from services.coordinator.scheduler import Coordinator
-from tests.helpers import commit_version
+from tests.helpers import ADMIN, asgi_client, commit_version, engine_app, signed_proof
 
 STEP = {"loss": 0.5, "reward_mean": 0.25}
 
@@ -74,7 +74,40 @@ async def test_forged_weights_loaded_and_train_step_events_are_dead_lettered(red
     await hostile.close()
 
 
-@pytest.fixture
-def secret_env(monkeypatch: pytest.MonkeyPatch) -> bytes:
-    monkeypatch.setenv("TANDEM_WEIGHTS_SECRET", "trust-test-secret")
-    return b"trust-test-secret"
+async def test_an_engine_loads_only_what_its_trainer_signed_whatever_token_the_caller_holds(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 33's bypass: the admin token alone loaded an uncommitted directory as version 999. Now the engine of
+    agent A checks the trainer's signature and the files' checksum itself (403, the live model kept)."""
+    copy = tmp_path / "uncommitted"
+    shutil.copytree(tiny_model_dir, copy)
+    secret = run_secret()
+    url = "/update_weights_from_disk"
+    with engine_app(tiny_model_dir, weights_secret=secret, agent="A") as app:
+        async with asgi_client(app) as client:
+            async def load(version: int, headers: dict[str, str]) -> httpx.Response:
+                return await client.post(url, json={"model_path": str(copy), "weight_version": str(version)},
+                                         headers={**ADMIN, **headers})
+
+            bare = await load(999, {})
+            assert bare.status_code == 403 and not bare.json()["success"]
+            assert "no weights signature" in bare.json()["message"]
+            good = signed_proof(copy, "A", 1)
+            other_agent = signed_proof(copy, "B", 1)
+            assert "bad signature" in (await load(1, other_agent.headers())).json()["message"]
+            assert "bad signature" in (await load(999, good.headers())).json()["message"]  # not version 999
+            (copy / "config.json").write_text((copy / "config.json").read_text() + " ")  # replaced after signing
+            swapped = await load(1, good.headers())
+            assert swapped.status_code == 403 and "do not match the signed checksum" in swapped.json()["message"]
+            assert (await client.get("/get_weight_version")).json()["weight_version"] == "0"  # nothing loaded
+            fresh = signed_proof(copy, "A", 1)
+            ok = await load(1, fresh.headers())
+            assert ok.status_code == 200 and ok.json()["success"], ok.text
+            assert (await client.get("/get_weight_version")).json()["weight_version"] == "1"
+
+
+def test_the_rollout_starts_its_engines_bound_to_their_agent() -> None:
+    from services.contracts.config import AgentConfig
+    from services.rollout.commands import engine_command
+
+    cmd = engine_command(AgentConfig(model_path="m"), "B", 0, 9000)
+    assert cmd[cmd.index("--agent") + 1] == "B"
