@@ -111,3 +111,27 @@ def test_the_rollout_starts_its_engines_bound_to_their_agent() -> None:
 
     cmd = engine_command(AgentConfig(model_path="m"), "B", 0, 9000)
     assert cmd[cmd.index("--agent") + 1] == "B"
+
+
+async def test_the_router_gets_its_keys_from_the_environment_not_the_command_line() -> None:
+    """The real sglang-router through our wrapper: no key in its process's command line (readable by every local
+    user), and still its worker admin API and data plane refuse a caller without the run's token."""
+    from services.common.admin_token import new_token
+    from services.common.embedded_redis import free_port
+    from services.common.sglang_router import list_workers, router_command, wait_healthy
+    from services.rollout.spawn import spawn
+
+    token, port = new_token(), free_port()
+    proc = spawn(router_command(port, [], admin_token=token), token)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_healthy(url, timeout=60)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert token.encode() not in cmdline and b"--admin-token-from-env" in cmdline
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(f"{url}/workers")).status_code == 401
+            assert (await client.post(f"{url}/generate", json={"input_ids": [1]})).status_code == 401
+        assert await list_workers(url, token=token) == []
+    finally:
+        proc.kill()
+        await proc.wait()
