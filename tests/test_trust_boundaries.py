@@ -126,7 +126,7 @@ async def test_the_router_gets_its_keys_from_the_environment_not_the_command_lin
     try:
         url = f"http://127.0.0.1:{port}"
         await wait_healthy(url, timeout=60)
-        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        cmdline = await asyncio.to_thread(Path(f"/proc/{proc.pid}/cmdline").read_bytes)
         assert token.encode() not in cmdline and b"--admin-token-from-env" in cmdline
         async with httpx.AsyncClient(timeout=10) as client:
             assert (await client.get(f"{url}/workers")).status_code == 401

@@ -8,6 +8,7 @@ import os
 import sys
 
 from services.contracts.config import ConfigError, load_config
+from services.launcher import run_lock
 from services.launcher.preflight import preflight
 from services.launcher.runs import add_run_commands, run_command
 from services.launcher.sweep import add_sweep_command, sweep_command
@@ -94,16 +95,26 @@ def main(argv: list[str] | None = None) -> None:
         "resume" if args.resume else "fresh" if args.fresh else "new")
     try:
         cfg = load_config(args.config)
+        if mode != "validate":  # before preflight: a live run is refused as live, not as "exists"
+            run_lock.check_live(cfg)
         preflight(cfg, args.config, mode)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None
+    except run_lock.RunIsLive as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(run_lock.RUN_IS_LIVE) from None
     if args.command == "validate":
         print(f"{args.config}: ok ({len(cfg.agents)} agents, environment {cfg.environment.name})")
         return
     from services.launcher.up import up
 
-    raise SystemExit(up(cfg, args.config, resume=args.resume, fresh=args.fresh))
+    try:
+        code = up(cfg, args.config, resume=args.resume, fresh=args.fresh)
+    except run_lock.RunIsLive as exc:  # another launcher took the run since the check
+        print(str(exc), file=sys.stderr)
+        code = run_lock.RUN_IS_LIVE
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

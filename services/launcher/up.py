@@ -34,6 +34,7 @@ from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
+from services.launcher import run_lock
 from services.launcher.deferred import AfterFirstTurn
 from services.launcher.processes import (
     LOST_EPISODES,
@@ -250,6 +251,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     first) or ``resume`` (the run's Redis AOF, checkpoints and directory are kept and the services go on)."""
     console = console or Console()
     run_dir = cfg.run_dir()
+    run_lock.acquire(cfg, config_path)  # one run, one stack: RunIsLive names a live launcher (run_lock.py)
     if fresh:
         wipe_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
