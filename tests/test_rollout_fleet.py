@@ -220,10 +220,14 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         assert await list_workers(fleet.router_url, token=fleet.token) == [engine.url]
         old = engine.proc.pid if engine.proc else 0
         os.kill(old, signal.SIGSTOP)
+        stopped, named_s = time.monotonic(), None
         for _ in range(600):
             if engine.restarts == 1 and engine.registered:
                 break
+            if named_s is None and engine.restarts == 0 and fleet.snapshot()[0]["silent_s"] >= 1.0:
+                named_s = time.monotonic() - stopped  # what the status shows of it (silent_s), before its restart
             await asyncio.sleep(0.1)
+        assert named_s is not None and named_s < 5, named_s
         assert engine.restarts == 1 and engine.registered and engine.proc and engine.proc.pid != old
         assert await list_workers(fleet.router_url, healthy_only=True, token=fleet.token) == [engine.url]
         async with EngineClient(fleet.router_url, timeout=30, token=fleet.token) as client:

@@ -45,6 +45,7 @@ from services.launcher.processes import (
     python_module,
 )
 from services.launcher.progress import Progress, fmt_duration
+from services.launcher.restarts import EngineRestarts, RestartLedger, silent_engines
 from services.play.evaluation import fmt_report
 
 log = logging.getLogger("tandem.launcher")
@@ -57,6 +58,7 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n)
     caption = [f"restarts: {restarted}"] if restarted else []
     caption += [latest_eval(status)] if status and status.get("evals") else []
+    caption += [f"[red]{line}[/red]" for line in silent_engines(status)]
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
                         f"{status.get('phase') if status else 'starting'} — ETA {eta}",
                   caption="\n".join(caption) or None)
@@ -190,59 +192,6 @@ class RedisProcess(Supervised):
     def join(self, timeout: float = 60.0) -> None:
         """Wait for a restart under way to end."""
         self.idle.wait(timeout)
-
-
-class EngineRestarts:
-    """Engine restarts per agent (``engines.<agent>``) from the statuses the launcher polls: each rollout's
-    fleet counts its engines' restarts, from 0 again when the rollout itself restarts."""
-
-    def __init__(self, ledger: RestartLedger) -> None:
-        self.ledger = ledger
-        self.seen: dict[str, int] = {}  # agent -> restarts the current rollout reports
-        self.total: dict[str, int] = {}  # agent -> restarts in this session
-
-    def update(self, status: dict | None) -> None:
-        for agent, a in ((status or {}).get("agents") or {}).items():
-            now = sum(int(e.get("restarts") or 0) for e in (a.get("rollout") or {}).get("engines") or [])
-            new = now - self.seen.get(agent, 0) if now >= self.seen.get(agent, 0) else now  # a new fleet
-            self.seen[agent] = now
-            if new > 0:
-                name = f"engines.{agent}"
-                self.total[name] = self.total.get(name, 0) + new
-                self.ledger.record(name, self.total[name], new)
-
-
-class RestartLedger:
-    """Restarts per service in the run's Redis hash ``state:restarts`` (the coordinator's report reads it;
-    a resumed run adds to the counts of the sessions before)."""
-
-    def __init__(self, redis_url: str, run: str) -> None:
-        self.client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
-        self.key = Streams(run).restarts()
-        self.pending: dict[str, int] = {}  # restarts not yet written (Redis was down)
-
-    def record(self, name: str, _count: int, n: int = 1) -> None:
-        """Add ``n`` restarts of ``name``; while Redis is down (its own restart is under way) they wait for
-        the next record or ``counts``."""
-        self.pending[name] = self.pending.get(name, 0) + n
-        self.flush()
-
-    def flush(self) -> None:
-        for name, n in list(self.pending.items()):
-            try:
-                self.client.hincrby(self.key, name, n)
-            except redis_lib.RedisError as exc:
-                log.info("restarts of %s not recorded yet: %s", name, exc)
-                return
-            del self.pending[name]
-
-    def counts(self, local: dict[str, int]) -> dict[str, int]:
-        self.flush()
-        try:
-            stored = {k.decode(): int(v) for k, v in self.client.hgetall(self.key).items()}
-        except redis_lib.RedisError:
-            stored = {}
-        return {name: max(stored.get(name, 0), n) for name, n in {**stored, **local}.items()}
 
 
 def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resume: bool = False,

@@ -52,6 +52,7 @@ class ManagedEngine:
     failures: int = 0
     weight_version: int = 0
     load: dict[str, Any] = field(default_factory=dict)
+    last_ok: float = field(default_factory=time.monotonic)  # when it last passed a health check (or started)
 
     @property
     def url(self) -> str:
@@ -247,6 +248,7 @@ class EngineFleet:
         except (httpx.HTTPError, ValueError):
             ok = False
         e.failures = 0 if ok else e.failures + 1
+        e.last_ok = time.monotonic() if ok else e.last_ok
         if e.failures >= self.max_failures:
             log.warning("engine %s failed %d health checks in a row: restarting it", e.url, e.failures)
             return False
@@ -260,7 +262,7 @@ class EngineFleet:
         if e.proc is not None:
             await e.proc.wait()
         e.restarts += 1
-        e.weight_version, e.load = 0, {}
+        e.weight_version, e.load, e.last_ok = 0, {}, time.monotonic()
         while True:
             try:
                 await self._boot(e)
@@ -278,8 +280,12 @@ class EngineFleet:
         return sum(1 for e in self.engines if e.registered)
 
     def snapshot(self) -> list[dict[str, Any]]:
+        """Each engine's state; ``silent_s`` grows from its last passed health check while a check hangs (a
+        stopped engine is named by it within seconds, long before the restart's ``max_failures`` checks)."""
+        now = time.monotonic()
         return [{"url": e.url, "healthy": e.registered, "pid": e.proc.pid if e.proc else None,
-                 "restarts": e.restarts, "weight_version": e.weight_version, **e.load} for e in self.engines]
+                 "restarts": e.restarts, "weight_version": e.weight_version, **e.load,
+                 "silent_s": round(now - e.last_ok, 1)} for e in self.engines]
 
     async def close(self) -> None:
         procs = [p for p in [*(e.proc for e in self.engines), self.router] if p is not None and p.returncode is None]

@@ -210,7 +210,8 @@ class RolloutService:
                 engines = [EngineStatus(url=u, healthy=True) for u in urls]
         await self.bus.publish(s.events, RolloutLoad(
             source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
-            capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines))
+            capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines,
+            router_restarts=self.fleet.router_restarts if self.fleet else 0))
 
 
 async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
