@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from services.common.bus import Bus
 from services.contracts.config import parse_config
 from services.trainer.service import TrainerService
@@ -40,3 +42,58 @@ async def test_a_trainer_start_removes_every_half_written_weights_directory(redi
     await trainer.resume()
     assert not any(d.exists() for d in left) and kept.is_dir()
     await bus.close()
+
+
+def test_the_log_pump_survives_a_full_disk(tmp_path: Path) -> None:
+    """A child's log on a full disk (/dev/full answers every write with ENOSPC): its output is still drained
+    (a child blocked on a full pipe would hang) and shown, and the failure is said once."""
+    import sys
+
+    from services.launcher.processes import ProcessGroup
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "chatty.log").symlink_to("/dev/full")
+    shown: list[str] = []
+    group = ProcessGroup(logs, {}, lambda name, line: shown.append(line))
+    child = group.start("chatty", [sys.executable, "-c", "for i in range(20000): print('line', i, 'x' * 40)"])
+    assert child.proc.wait(60) == 0  # 1 MB through a 64 KB pipe: drained to the end
+    child.pump.join(10)
+    assert shown[-1] == "line 19999 " + "x" * 40
+    assert sum("cannot write its log (No space left on device" in s for s in shown) == 1
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_launcher_that_inherited_it_ignored(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A script's background job inherits SIGINT ignored, and Python then installs no handler: ``tandem up``
+    installs its own, so SIGINT stops the run as Ctrl-C does (exit 130, naming --resume)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from tests.helpers import REPO
+
+    cfg = {"run": {"name": "sigint", "total_steps": 50, "checkpoint_root": str(tmp_path / "ck"),
+                   "output_dir": str(tmp_path / "runs")}, "api": {"port": 0},
+           "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+           "agents": {"A": {"model_path": str(tiny_model_dir)}}}
+    path = tmp_path / "sigint.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        lock = tmp_path / "runs" / ".sigint.lock"
+        deadline = time.time() + 120
+        while not (lock.exists() and lock.read_text()) and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the handlers are installed right after the lock is taken
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out and "--resume" in out

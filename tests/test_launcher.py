@@ -181,6 +181,7 @@ def test_past_the_restart_budget_the_run_stops_naming_the_service(tmp_path, tiny
     out = " ".join(log.read_text().split())
     assert "buffer.A died (exit code -9) after 1 restart(s) within 600s (run.max_restarts=1); stopping the run" \
         in out, out[-3000:]
+    assert f"`tandem up {tmp_path / 'dies.yaml'} --resume` continues the run" in out, out[-3000:]
     _all_gone(children)
 
 

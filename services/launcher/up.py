@@ -6,8 +6,9 @@ coordinator → per trained agent the buffer and trainer (a new run's once its f
 services/launcher/deferred.py). It shows progress from the coordinator's ``/v1/status`` and supervises
 every child and the embedded Redis: one that dies is restarted in place within the restart budget
 (``run.max_restarts`` in ``run.restart_window_s``), the count goes to the live view, the Redis hash
-``state:restarts`` and ``summary.json``; past the budget the run stops naming the service. Ctrl-C
-and SIGTERM stop everything; ``tandem up CONFIG --resume`` then continues the run.
+``state:restarts`` and ``summary.json``; past the budget the run stops naming the service and saying that
+``--resume`` continues it. Ctrl-C (SIGINT, handled explicitly) and SIGTERM stop everything; ``tandem up
+CONFIG --resume`` then continues the run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from services.launcher.processes import (
     LOST_EPISODES,
     ProcessGroup,
     RestartBudget,
+    ServiceFailed,
     Supervised,
     child_env,
     python_module,
@@ -201,6 +203,9 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     console = console or Console()
     run_dir = cfg.run_dir()
     run_lock.acquire(cfg, config_path)  # one run, one stack: RunIsLive names a live launcher (run_lock.py)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM and SIGINT stop the run like Ctrl-C,
+        signal.signal(signal.SIGTERM, _interrupt)  # SIGINT too where it was inherited ignored (a script's
+        signal.signal(signal.SIGINT, _interrupt)  # background job), where Python installs no handler of its own
     if fresh:
         wipe_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,8 +227,6 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         console.print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; data in {run_dir / 'redis'})"
                       + (", resumed from its AOF" if resume else ""))
     api_port = cfg.api.port or free_port()
-    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the run like Ctrl-C
-        signal.signal(signal.SIGTERM, _interrupt)
     ledger = RestartLedger(redis_url, cfg.run.name)
     engines = EngineRestarts(ledger)
     group = ProcessGroup(run_dir / "logs", child_env(env), echo,
@@ -242,6 +245,9 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         code = 130
     except RuntimeError as exc:  # ServiceFailed included
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        if isinstance(exc, ServiceFailed):
+            console.print(f"nothing acknowledged is lost: once the cause is fixed, `tandem up {config_path} --resume` "
+                          "continues the run where it stopped", soft_wrap=True)
         code = 1
     finally:
         group.stop_all()

@@ -8,9 +8,9 @@ published version, train log) in one transaction, publishes ``weights:{agent}`` 
 
 Resume (``resume``): the Redis commit is the point of no return. On start the trainer loads
 the state of the published version (the latest committed one) and deletes any newer,
-uncommitted state and every half-written weights directory (``v*.tmp*``, ``tidy_weights``); a batch that was trained but not committed before a crash is redelivered
-(never acknowledged) and trained again from the committed state, so no sample is trained on
-twice.
+uncommitted state and every half-written weights directory (``v*.tmp*``, ``tidy_weights``);
+a batch that was trained but not committed before a crash is redelivered (never acknowledged)
+and trained again from the committed state, so no sample is trained on twice.
 
 A non-finite step (``NonFiniteStep``: loss, gradient or weight) rolls back to the committed state
 the same way, but is not retried: ``skip`` records it once in Redis (the batch id, its samples; the
