@@ -1,15 +1,12 @@
 """The coordinator service: evaluation, gated group launches, sample emission, the end.
 
-One handler per stream: ``on_reply`` (replies), ``on_event`` (events), ``on_control``
-(control). Main loop (``Coordinator.run``): evaluate every agent against the env's
-scripted opponents (evals.py); launch GRPO groups while the staleness gate allows (see
-state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them;
-when every agent has loaded its last version, evaluate again, write the report and tell
-all services to stop.
-
-Restartable at any moment: ``restore`` rebuilds the run state at start from Redis
-(record.py: flags, evaluations, versions from their owners; ledger.py: every group).
-Replies and events that arrived while it was down wait in its consumer groups.
+One handler per stream: ``on_reply`` (replies), ``on_event`` (events: notifications, whose facts are read
+from their owners, facts.py), ``on_control`` (control). Main loop (``Coordinator.run``): evaluate every
+agent against the env's scripted opponents (evals.py); launch GRPO groups while the staleness gate allows
+(state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them; when every
+agent has loaded its last version, evaluate again, write the report and tell all services to stop.
+Restartable at any moment: ``restore`` rebuilds the run state at start from Redis (record.py: flags,
+evaluations, versions from their owners; ledger.py: every group); what arrived meanwhile waits in its groups.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import time
 from typing import Any
 
 from services.common.bus import Bus
+from services.common.reconnect import REDIS_DOWN
 from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
@@ -40,10 +38,8 @@ from services.play.local import LocalPlayers  # torch is imported when a Local p
 
 log = logging.getLogger("tandem.coordinator")
 
-TURN_TIMEOUT_S = 300.0
-ENGINE_WAIT_S = 1800.0  # SGLang engines can take minutes to load a real model
-MAX_EMPTY_GROUPS = 50
-EPISODE_CACHE = 2000
+TURN_TIMEOUT_S, ENGINE_WAIT_S = 300.0, 1800.0  # SGLang engines can take minutes to load a real model
+MAX_EMPTY_GROUPS, EPISODE_CACHE = 50, 2000
 
 
 class Coordinator:
@@ -366,8 +362,8 @@ class Coordinator:
         self.state.phase = "stopped" if self.state.stop_requested else "done"
 
     async def save_evals(self) -> None:
-        new, self.evals_saved = self.evals[self.evals_saved:], len(self.evals)
-        await self.run_record.add_evals(new)
+        await self.run_record.add_evals(self.evals[self.evals_saved:])
+        self.evals_saved = len(self.evals)  # after the write: a failed one is tried again
 
     async def run_and_report(self, server: Any | None = None, run_logger: Any | None = None) -> None:
         """Run, write the report, close the experiment logs (after the report: they hold at least what it
@@ -392,9 +388,13 @@ class Coordinator:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), cfg.run.trim_interval_s or 30.0)
-            await self.save_evals()
-            for name in streams if cfg.run.trim_interval_s else []:
-                await self.bus.trim_acknowledged(name)
-            for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
-                await self.ledger.prune(agent)
-            await play_archive.prune_behind(self.bus.redis, s, self.k_train_play, cfg.run_dir(), self.ledger.horizons)
+            try:  # a Redis outage (or full disk) skips a round: the next one does it (common/reconnect.py)
+                await self.save_evals()
+                for name in streams if cfg.run.trim_interval_s else []:
+                    await self.bus.trim_acknowledged(name)
+                for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
+                    await self.ledger.prune(agent)
+                await play_archive.prune_behind(self.bus.redis, s, self.k_train_play, cfg.run_dir(),
+                                                self.ledger.horizons)
+            except REDIS_DOWN as exc:
+                log.warning("housekeeping skipped this round: %s", exc)
