@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as redis_lib
 
 from services.buffer.service import BufferService
 from services.common.bus import Bus
@@ -24,6 +25,7 @@ from services.contracts.config import parse_config
 from services.contracts.messages import Control
 from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
+from services.launcher.disk import DiskWatch
 
 
 @pytest.fixture
@@ -111,6 +113,9 @@ async def test_a_full_disk_is_waited_out_and_the_write_lands_once_space_returns(
                 while True:
                     f.write(b"\0" * 65536)
                     f.flush()
+        said: list[str] = []
+        client = redis_lib.Redis.from_url(server.url)
+        watch = DiskWatch([small_disk / "valkey"], lambda: client.info("persistence"), said.append, low_free=64 << 10)
         direct = None
         for _ in range(50):  # the AOF write fails, then every write is refused with MISCONF
             try:
@@ -123,9 +128,20 @@ async def test_a_full_disk_is_waited_out_and_the_write_lands_once_space_returns(
         publish = asyncio.create_task(bus.publish(bus.streams.control, Control(command="checkpoint")))
         await asyncio.sleep(1.5)
         assert not publish.done(), publish.exception() if publish.done() else ""  # waiting, not failed
+        watch.check()
+        watch.check()  # said once per fault
+        assert len(said) == 1 and said[0].startswith(f"disk full at {small_disk / 'valkey'}"), said
+        assert "the run is paused" in said[0] and "--resume" in said[0]
         ballast.unlink()  # space returns
         await asyncio.wait_for(publish, 30)
         assert await bus.redis.xlen(bus.streams.control) == 1
+        for _ in range(50):  # Valkey's next AOF write succeeds: the launcher says the run goes on
+            watch.check()
+            if len(said) == 2:
+                break
+            await asyncio.sleep(0.2)
+        assert said[1] == "disk space is back: the run goes on"
+        client.close()
     finally:
         await bus.close()
         server.stop()

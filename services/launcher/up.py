@@ -37,6 +37,7 @@ from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
 from services.launcher import run_lock
 from services.launcher.deferred import AfterFirstTurn
+from services.launcher.disk import DiskWatch
 from services.launcher.processes import (
     LOST_EPISODES,
     ProcessGroup,
@@ -51,6 +52,7 @@ from services.launcher.restarts import EngineRestarts, RestartLedger, silent_eng
 from services.play.evaluation import fmt_report
 
 log = logging.getLogger("tandem.launcher")
+DISK_CHECK_S = 5.0  # how often the launcher looks for a full disk
 
 
 def status_table(status: dict | None, restarts: dict[str, int] | None = None,
@@ -238,7 +240,10 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         # a new run starts its buffers and trainers after the first turn; a resumed one at once
         later = None if resume else AfterFirstTurn(redis_url, [Streams(cfg.run.name).turns(a) for a in cfg.agents])
         api = start_services(cfg, config_path, group, api_port, later)
-        code = watch(group, api, console, cfg.api.token, engines, later.watch() if later else None)
+        disk = DiskWatch([run_dir / "redis" if redis is not None else run_dir, run_dir, Path(cfg.run.checkpoint_root)],
+                         lambda: ledger.client.info("persistence"),
+                         lambda line: console.print(f"[red]{line}[/red]", soft_wrap=True))
+        code = watch(group, api, console, cfg.api.token, engines, later.watch() if later else None, disk)
     except KeyboardInterrupt:
         console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
                       f" (continue with `tandem up {config_path} --resume`)")
@@ -291,8 +296,8 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
-          engines: EngineRestarts | None = None, later: AfterFirstTurn | None = None) -> int:
+def watch(group: ProcessGroup, api: str, console: Console, token: str = "", engines: EngineRestarts | None = None,
+          later: AfterFirstTurn | None = None, disk: DiskWatch | None = None) -> int:
     """Supervise the children (restart a dead one within the budget) and refresh progress until the
     coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget. Once the status says
     the run is over (``done`` or ``stopped``) only the coordinator is still restarted: it writes the report
@@ -302,7 +307,7 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
     progress = Progress()
     last_print = 0.0
     started = time.time()
-    announced = False
+    announced, disk_checked = False, 0.0
     with Live(status_table(None), console=console, auto_refresh=False,
               transient=False) if console.is_terminal else _NoLive() as live:
         while True:
@@ -312,6 +317,9 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
                 console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
             if engines is not None and engines.ledger.pending:
                 engines.ledger.flush()  # restarts counted while Redis itself was restarting
+            if disk is not None and time.monotonic() - disk_checked >= DISK_CHECK_S:
+                disk.check()  # "disk full at PATH", once per fault (launcher/disk.py)
+                disk_checked = time.monotonic()
             if group.exited("coordinator") == 0:
                 return 0
             try:
