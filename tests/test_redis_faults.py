@@ -145,3 +145,25 @@ async def test_a_full_disk_is_waited_out_and_the_write_lands_once_space_returns(
     finally:
         await bus.close()
         server.stop()
+
+
+async def test_the_done_id_grace_is_a_run_setting_shared_by_the_wait_window(redis_url: str, tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """``run.done_ids_grace_s`` sets how long a service waits out Redis and how long its done-id sets keep an id
+    past the stream's retention: equal, so a retried publish can never outlive the id that makes it a repeat."""
+    cfg = parse_config({"run": {"name": "grace", "done_ids_grace_s": 45}, "redis_url": redis_url,
+                        "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
+                        "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    from services.common.bus_consume import ConsumeLoop
+
+    async def handler(_: object) -> None:
+        return None
+
+    bus = Bus(redis_url, "grace", "buffer-A", reconnect_window_s=cfg.run.done_ids_grace_s)
+    loop = ConsumeLoop(bus, bus.streams.control, "g", "c", handler, concurrency=1, count=1, block_ms=10,
+                       claim_idle_ms=1000, start="0", max_deliveries=3)
+    assert loop.done.grace_ms == 45_000 and bus.reconnect_window_s == 45
+    with pytest.raises(ValueError, match="done_ids_grace_s"):
+        parse_config({"run": {"name": "g", "done_ids_grace_s": 1}, "environment": {"name": "tictactoe",
+                      "roles": {"X": "A", "O": "A"}}, "agents": {"A": {"model_path": str(tiny_model_dir)}}})
+    await bus.close()
