@@ -5,7 +5,8 @@ records is the rollout's ``loaded_weight_version`` key (written in the transacti
 loaded a verified update, docs/architecture.md §2.3), and the path it adds to the opponent pool is the
 trainer's train-log record of that version, never the event's. A ``train_step`` event says "look at the
 trainer's log": the step's metrics are the committed record's (the one the trainer signed with the run's
-secret), never the event's. An event whose claim its owner's record does not back (a version the rollout
+secret), never the event's; a ``train_step_skipped`` is taken only when the trainer recorded that skip.
+An event whose claim its owner's record does not back (a version the rollout
 never recorded as loaded, a version the trainer never committed) is refused with ``Reject``: the bus
 dead-letters it with the reason, and nothing in the run state moves.
 
@@ -21,7 +22,7 @@ from typing import Any
 from services.common.bus import Bus, Reject
 from services.common.history import read_train_log, train_log_archive
 from services.common.weights_auth import committed
-from services.contracts.messages import TrainStep, WeightsLoaded
+from services.contracts.messages import TrainStep, TrainStepSkipped, WeightsLoaded
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,9 @@ class OwnerFacts:
             raise Reject(f"train_step of {ev.agent!r} version {ev.weight_version} from {ev.source!r}: the trainer "
                          "never committed that version (no train-log record): not taken")
         return rec
+
+    async def skipped(self, ev: TrainStepSkipped) -> None:
+        """``Reject`` unless the trainer recorded the skip of that batch (its ``skipped_batches`` hash)."""
+        if await self.bus.redis.hget(self.bus.streams.skipped_batches(ev.agent), ev.batch_id) is None:
+            raise Reject(f"train_step_skipped of {ev.agent!r} batch {ev.batch_id!r} from {ev.source!r}: the trainer "
+                         "recorded no such skip: not taken")

@@ -133,6 +133,7 @@ class Coordinator:
             entry = train_step_entry(await self.facts.train_step(ev))  # the committed record's metrics
             agent.train_steps.append({**finite(entry), "time": ev.created_at})  # once per version (re-sends)
         elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
+            await self.facts.skipped(ev)  # the trainer's record of the skip, else Reject
             agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
             for g in ev.group_ids:  # replaced by new groups; the buffer releases a batch in its place
                 agent.resolve_group(g, "dropped", f"non-finite training step: {ev.reason}")
@@ -143,8 +144,7 @@ class Coordinator:
         await self.notify()
 
     async def on_control(self, cmd: Control) -> None:
-        """A ``stop`` on the control stream from elsewhere ends the run gracefully; the coordinator's
-        own final stop comes after the run and changes nothing."""
+        """A ``stop`` from elsewhere ends the run gracefully; the coordinator's own final one changes nothing."""
         if cmd.command == "stop" and self.state.phase not in ("done", "stopped"):
             await self.control("stop")
 
