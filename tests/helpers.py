@@ -47,6 +47,31 @@ async def emit(bus: Bus, *samples: Sample) -> None:
         await ledger.emit(gid, members, {})
 
 
+async def commit_version(bus: Bus, agent: str, version: int, *, path: str | None = None,
+                         metrics: dict[str, Any] | None = None, loaded: bool = False) -> dict[str, Any]:
+    """What a trainer's commit of ``version`` leaves in Redis (its train-log record, the published version) and,
+    if ``loaded``, the rollout's loaded-version key: the owners' records a coordinator reads events against."""
+    import json
+
+    s = bus.streams
+    rec = {"version": version, "batch_id": f"b{version}", "sample_ids": [], "path": path or f"/ckpt/{agent}/v{version}",
+           "checksum": "c", "metrics": {**(metrics or {}), "version": version, "batch_step": version}}
+    await bus.redis.rpush(s.train_log(agent), json.dumps(rec))
+    await bus.redis.set(s.published_weight_version(agent), version)
+    if loaded:
+        await bus.redis.set(s.loaded_weight_version(agent), version)
+    return rec
+
+
+def signed_proof(path: str | Path, agent: str, version: int) -> Any:
+    """The trainer's proof of ``path`` as ``version`` of ``agent``, signed with the tests' run secret (conftest):
+    what an engine started for that agent (``--agent``) needs before it loads it."""
+    from services.common.weights_auth import WeightsProof, run_secret, sign, weights_checksum
+
+    checksum = weights_checksum(path)
+    return WeightsProof(checksum=checksum, signature=sign(run_secret(), agent, version, str(path), checksum))
+
+
 def completion_sample(prompt: Sequence[int], out: Sequence[int], reward: float, group: str, version: int = 0,
                       logp: float = -5.0) -> Sample:
     """A sample whose prompt is masked out and whose completion ``out`` was sampled with logprob ``logp`` a token."""

@@ -16,7 +16,9 @@ every new group) with A at version 2 and B's first groups waiting undelivered. M
 * weights for A: a forged update (version 999, the start model, a bad HMAC), a corrupt one (validly signed
   with the run's secret, pointing at a copy of version 2 with a flipped byte), an old update replayed under a
   new id, and the same old entry replayed byte for byte (same message id: the done set absorbs it);
-* ``POST /v1/stop`` without the API token and with a wrong one (401; the run goes on).
+* ``POST /v1/stop`` without the API token and with a wrong one (401; the run goes on);
+* events: a forged ``weights_loaded`` of A's version 999 and a ``train_step`` of a version never committed
+  (the run must still train every step of A: the coordinator takes versions from their owners' records).
 
 B's buffer is then restarted (as a supervisor would) and the run must complete every step.
 """
@@ -40,7 +42,15 @@ from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import run_secret, sign, weights_checksum
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.config import load_config
-from services.contracts.messages import DeadLetter, Event, GenerateReply, Sample, WeightsUpdate
+from services.contracts.messages import (
+    DeadLetter,
+    Event,
+    GenerateReply,
+    Sample,
+    TrainStep,
+    WeightsLoaded,
+    WeightsUpdate,
+)
 from services.launcher.processes import ProcessGroup, child_env, python_module
 from services.launcher.up import start_services
 from tests.helpers import wait_until
@@ -163,6 +173,19 @@ def inject_weights(inj: Injector, client: redis.Redis, d: Path, start_model: Pat
     client.xadd(stream, v1[0])  # the very same entry again: same message id, absorbed by the done set
 
 
+FORGER = "forger"  # the source the forged events claim; the run's real events never carry it
+
+
+def inject_events(inj: Injector) -> None:
+    """Issue 33's forgery: one XADD of ``weights_loaded`` version 999 ended A's training early; a ``train_step``
+    of a version never committed. The coordinator reads the owners' records instead (facts.py)."""
+    stream = key("events")
+    inj.add(stream, WeightsLoaded(source=FORGER, agent="A", weight_version=999, path="/tmp/forged", engines=[]),
+            "is not backed by the rollout's record")
+    inj.add(stream, TrainStep(source=FORGER, agent="A", weight_version=999, batch_weight_version=998,
+                              metrics={"loss": -1.0}), "the trainer never committed that version")
+
+
 def stall_and_inject(client: redis.Redis, group: ProcessGroup, api: str, d: Path, model: Path,
                      path: Path) -> dict[str, Any]:
     stream_b = key("samples:B")
@@ -182,6 +205,7 @@ def stall_and_inject(client: redis.Redis, group: ProcessGroup, api: str, d: Path
     observed["groups"] = inject_samples(inj, client)
     inject_replies(inj)
     inject_weights(inj, client, d, model)
+    inject_events(inj)
     observed["expected"] = inj.expected
     group.start("buffer.B", python_module("services.buffer", "--config", str(path), "--agent", "B"))
     return observed
@@ -261,7 +285,7 @@ def test_no_published_version_holds_a_non_finite_tensor(run):
 def test_engines_load_only_the_versions_their_trainer_committed(run):
     for agent in "AB":
         commits = {r["version"]: r for r in run["train_log"][agent]}
-        loads = [e for e in run["events"] if e.kind == "weights_loaded" and e.agent == agent]
+        loads = [e for e in run["events"] if e.kind == "weights_loaded" and e.agent == agent and e.source != FORGER]
         assert [e.weight_version for e in loads] == list(range(1, TOTAL_STEPS + 1))  # never rolled back
         for e in loads:
             assert e.path == commits[e.weight_version]["path"]

@@ -14,7 +14,8 @@ import redis
 from services.common.embedded_redis import EmbeddedRedis
 from services.contracts.streams import Streams
 from services.launcher.processes import ProcessGroup, RestartBudget
-from services.launcher.up import EngineRestarts, RedisProcess, RestartLedger
+from services.launcher.restarts import EngineRestarts, RestartLedger
+from services.launcher.up import RedisProcess
 
 FAIL = [sys.executable, "-c", "raise SystemExit(1)"]
 
@@ -90,3 +91,27 @@ def test_engine_restarts_are_counted_per_agent_across_a_rollout_restart(redis_ur
     assert {k.decode(): int(v) for k, v in stored.items()} == {"engines.A": 4, "engines.B": 1}
     assert ledger.counts(engines.total) == {"engines.A": 4, "engines.B": 1}
     ledger.client.close()
+
+
+def test_router_restarts_are_counted_and_a_silent_engine_is_named(redis_url: str) -> None:
+    """The fleet's router restarts reach ``state:restarts`` (and so summary.json) as ``router.<agent>``; an engine
+    whose health checks hang past SILENT_NAMED_S is named in the live view."""
+    from services.launcher.restarts import SILENT_NAMED_S, silent_engines
+    from services.launcher.up import status_table
+
+    ledger = RestartLedger(redis_url, "router-restarts")
+    engines = EngineRestarts(ledger)
+    for n in (0, 1, 1, 2, 0):  # then A's rollout restarted: a new fleet counts from 0
+        status = _status(A=[0])
+        status["agents"]["A"]["rollout"]["router_restarts"] = n
+        engines.update(status)
+    assert engines.total == {"router.A": 2}
+    assert ledger.counts(engines.total) == {"router.A": 2}
+    ledger.client.close()
+    status = _status(A=[0, 0])
+    status["agents"]["A"]["rollout"]["engines"][1]["silent_s"] = SILENT_NAMED_S + 2
+    status["agents"]["A"]["rollout"]["engines"][0]["silent_s"] = 0.4
+    assert silent_engines(status) == [f"engine http://e1 of A: no answer for {SILENT_NAMED_S + 2:.0f}s"]
+    status["agents"]["A"].update(step=1, weight_version=1, recent_group_reward=None, eval_start=None, eval_end=None)
+    full = {"run": "r", "phase": "training", "total_steps": 2, "episodes_per_s": 0.0, **status}
+    assert "engine http://e1 of A: no answer" in str(status_table(full).caption)

@@ -21,6 +21,7 @@ from services.contracts.config import parse_config
 from services.contracts.messages import Control, EngineStatus, RolloutLoad, TrainStep, WeightsLoaded
 from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
+from tests.helpers import commit_version
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -61,6 +62,8 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
         RolloutLoad(source="rollout-A", agent="A", queue_depth=7, inflight=3, capacity=8, waiting=0,
                     engines=[EngineStatus(url="http://e0", healthy=True, restarts=2)]),
     ]
+    await commit_version(bus, "A", 1, metrics=step1)  # the owners' records the events announce
+    await commit_version(bus, "A", 2, path="/w/2", metrics=events[2].metrics, loaded=True)
     for ev in events:
         await coord.on_event(ev)
     coord.state.agents["A"].group_rewards.extend([(0.0, 1.0), (1.0, 0.0)])

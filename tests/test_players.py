@@ -90,10 +90,16 @@ def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path)
     a, pool = AgentPlayer(agent="A"), Pool(agent="A")
     assert coord.resolve_pool({"X": a, "O": pool}) == {"X": a, "O": Local(path=m, agent="A")}  # only version 0 yet
     from services.contracts.messages import WeightsLoaded
+    from tests.helpers import commit_version
 
-    for v in (1, 2, 3):
-        asyncio.run(coord.on_event(WeightsLoaded(source="rollout", agent="A", weight_version=v, path=f"/ckpt/v{v}",
-                                                 engines=[])))
+    async def load_versions() -> None:  # the trainer's commits and the rollout's record of each load, then its event
+        for v in (1, 2, 3):
+            await commit_version(coord.bus, "A", v, path=f"/ckpt/v{v}", loaded=True)
+            await coord.on_event(WeightsLoaded(source="rollout", agent="A", weight_version=v, path=f"/ckpt/v{v}",
+                                               engines=[]))
+        await coord.bus.close()
+
+    asyncio.run(load_versions())
     drawn = {coord.resolve_pool({"X": a, "O": pool})["O"] for _ in range(50)}
     # the last pool_size versions, each knowing its owner from its type
     assert drawn == {Local(path="/ckpt/v2", agent="A"), Local(path="/ckpt/v3", agent="A")}
@@ -101,7 +107,6 @@ def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path)
     assert coord.trained(coord.resolve_pool(coord.roles_for_group(1))) == {"A"}
     v2 = Local(path="/ckpt/v2", agent="A")
     assert coord.sampling_for({"O": v2})[v2] == cfg.agents["A"].sampling
-    asyncio.run(coord.bus.close())
 
 
 def test_self_play_episode_with_in_process_weights(tiny_model_dir: Path) -> None:

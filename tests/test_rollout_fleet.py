@@ -38,6 +38,7 @@ from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
 from services.rollout.fleet import EngineFleet
 from services.rollout.service import resume_weights
+from tests.helpers import signed_proof
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +76,8 @@ def test_sglang_engine_commands() -> None:
         assert used <= flags, used - flags
     embedded = engine_command(AgentConfig(model_path="m", max_inflight_per_engine=8), "B", 0, 9000)
     assert embedded[1:] == ["-m", "services.engine", "--model-path", "m", "--host", "127.0.0.1", "--port", "9000",
-                            "--engine-id", "B-0", "--max-batch", "8", "--device", "cpu", "--dtype", "float32"]
+                            "--engine-id", "B-0", "--agent", "B", "--max-batch", "8", "--device", "cpu",
+                            "--dtype", "float32"]
 
 
 def test_config_fields_of_the_lifecycle() -> None:
@@ -218,10 +220,14 @@ async def test_a_hung_engine_is_restarted(tiny_model_dir: Path, redis_url: str) 
         assert await list_workers(fleet.router_url, token=fleet.token) == [engine.url]
         old = engine.proc.pid if engine.proc else 0
         os.kill(old, signal.SIGSTOP)
+        stopped, named_s = time.monotonic(), None
         for _ in range(600):
             if engine.restarts == 1 and engine.registered:
                 break
+            if named_s is None and engine.restarts == 0 and fleet.snapshot()[0]["silent_s"] >= 1.0:
+                named_s = time.monotonic() - stopped  # what the status shows of it (silent_s), before its restart
             await asyncio.sleep(0.1)
+        assert named_s is not None and named_s < 5, named_s
         assert engine.restarts == 1 and engine.registered and engine.proc and engine.proc.pid != old
         assert await list_workers(fleet.router_url, healthy_only=True, token=fleet.token) == [engine.url]
         async with EngineClient(fleet.router_url, timeout=30, token=fleet.token) as client:
@@ -279,7 +285,7 @@ async def test_a_dead_router_is_restarted_and_gets_its_engines_back(tiny_model_d
     stop = asyncio.Event()
     try:
         await fleet.start()
-        await fleet.load_weights(str(tiny_model_dir), 4)
+        await fleet.load_weights(str(tiny_model_dir), 4, proof=signed_proof(tiny_model_dir, "A", 4))
         watcher = asyncio.create_task(fleet.supervise(stop))
         urls = sorted(e.url for e in fleet.engines)
         assert sorted(await list_workers(fleet.router_url, token=fleet.token)) == urls
@@ -322,7 +328,8 @@ async def test_an_engine_killed_under_a_weights_update_gets_the_version_when_it_
         engine = fleet.engines[0]
         assert engine.proc is not None
         os.kill(engine.proc.pid, signal.SIGKILL)  # the update's POST then breaks, or finds no engine
-        assert await fleet.load_weights(str(tiny_model_dir), 3, rejoin_timeout=300) == [engine.url]
+        assert await fleet.load_weights(str(tiny_model_dir), 3, rejoin_timeout=300,
+                                        proof=signed_proof(tiny_model_dir, "A", 3)) == [engine.url]
         assert fleet.latest == (str(tiny_model_dir), 3) and engine.restarts == 1 and engine.weight_version == 3
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"{engine.url}/get_model_info")).json()["weight_version"] == "3"

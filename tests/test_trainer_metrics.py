@@ -11,6 +11,7 @@ from services.contracts.config import parse_config
 from services.contracts.messages import TrainStep
 from services.coordinator.api import create_app
 from services.coordinator.scheduler import Coordinator
+from tests.helpers import commit_version
 
 
 async def test_train_step_metrics_are_served_once_per_version(redis_url: str, tiny_model_dir: Path) -> None:
@@ -21,6 +22,8 @@ async def test_train_step_metrics_are_served_once_per_version(redis_url: str, ti
     coord = Coordinator(cfg, bus)
     step = {"loss": 0.5, "pg_loss": 0.4, "kl": 0.01, "kl_loss": 0.1, "entropy": 2.0, "entropy_loss": -0.0,
             "clip_frac": 0.1, "grad_norm": 0.7, "tis_ratio_mean": 1.1, "tis_ratio_max": 2.5, "tokens_per_s": 900.0}
+    for version in (1, 2):  # the trainer's commits: the metrics the coordinator takes (an event only notifies)
+        await commit_version(bus, "A", version, metrics=step)
     for version in (1, 1, 2):  # version 1 re-announced after a trainer restart
         await coord.on_event(TrainStep(source="trainer-A", agent="A", weight_version=version,
                                        batch_weight_version=version, metrics=step))

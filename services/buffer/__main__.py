@@ -12,7 +12,7 @@ from services.common.service import load_or_exit, parse_args, run_service, setup
 async def main_async(config: str, agent: str) -> int:
     setup_logging(f"buffer.{agent}")
     cfg = load_or_exit(config, agent)
-    bus = Bus(cfg.redis_url, cfg.run.name, f"buffer-{agent}")
+    bus = Bus(cfg.redis_url, cfg.run.name, f"buffer-{agent}", reconnect_window_s=cfg.run.done_ids_grace_s)
     buffer = BufferService(cfg, agent, bus)
     stop = asyncio.Event()
     await buffer.release()  # a restart may find complete groups waiting

@@ -81,9 +81,11 @@ class BufferService:
 
     async def abandon_overdue(self, stop: asyncio.Event) -> None:
         """The group timeout: a group still missing a sample ``run.group_timeout_s`` after it was emitted is
-        abandoned (reported with its reason), so a dead-lettered sample never stalls the run."""
+        abandoned (reported with its reason), so a dead-lettered sample never stalls the run. Its Redis calls
+        wait out an outage with the bus's backoff (an outage is not the buffer's death)."""
         while not stop.is_set():
-            for v in await self.store.abandon_overdue(self.group_timeout_s):
+            overdue = await self.bus.retrying("group timeout", lambda: self.store.abandon_overdue(self.group_timeout_s))
+            for v in overdue:
                 self.log.warning("group %s abandoned: %s", v.group_id, v.reason)
                 await self.report(v)
             with contextlib.suppress(TimeoutError):

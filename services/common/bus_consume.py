@@ -62,7 +62,7 @@ class ConsumeLoop:
         self.flow, self.handler = bus.flow(stream), handler
         self.concurrency, self.count, self.block_ms, self.claim_idle_ms = concurrency, count, block_ms, claim_idle_ms
         self.start, self.max_deliveries = start, max_deliveries
-        self.done = DoneIds(bus.redis, stream, bus.streams.done_set(stream, group))
+        self.done = DoneIds(bus.redis, stream, bus.streams.done_set(stream, group), grace_s=bus.reconnect_window_s)
         self.recent = RecentIds()  # message ids handled and recorded done here lately
         self.check_all = False  # the group was made again over a stream that has a done set: check every entry
         self.sem = asyncio.Semaphore(concurrency)

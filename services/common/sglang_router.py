@@ -34,9 +34,11 @@ Findings, measured against sglang-router 0.3.2 with a request-logging worker:
 * Authentication (docs/architecture.md §2.3): ``--control-plane-api-keys 'id:name:admin:KEY'`` makes
   ``/workers`` (GET and POST, DELETE) answer 401 without ``Authorization: Bearer KEY``; ``--api-key KEY``
   makes the data plane (``/generate``, ``/get_loads``, ``/flush_cache``...) require it too, and the
-  router sends it to its workers. ``/health`` stays open. With an ``admin_token``, ``router_command``
-  sets both to the run's token; the router takes keys only as arguments (no environment variable), so
-  it binds 127.0.0.1 unless the config names another host.
+  router sends it to its workers. ``/health`` stays open. The Rust router reads keys only from its
+  arguments (no environment variable, no file), but it runs inside our Python wrapper
+  (``sglang_router_main``), which hands them to it in process: with an ``admin_token``, ``router_command``
+  adds only ``--admin-token-from-env`` and the wrapper sets both keys to ``$TANDEM_ADMIN_TOKEN``, so no key
+  is in the process list. It binds 127.0.0.1 unless the config names another host.
 """
 
 from __future__ import annotations
@@ -51,22 +53,24 @@ import httpx
 from services.common.admin_token import bearer
 from services.common.embedded_redis import free_port
 
+ADMIN_TOKEN_FROM_ENV = "--admin-token-from-env"  # sglang_router_main's own flag: the keys from the environment
+
 
 def router_command(port: int, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
                    prometheus_port: int | None = None, log_level: str = "warn",
                    startup_timeout_s: int = 120, health_interval_s: int = 5,
                    admin_token: str | None = None) -> list[str]:
     """The command line that starts the SGLang router in front of ``worker_urls`` (with ``admin_token``:
-    its worker admin API and its data plane need that bearer token)."""
+    its worker admin API and its data plane need that bearer token, which the caller puts in the router's
+    environment as ``$TANDEM_ADMIN_TOKEN``; ``spawn`` does)."""
     cmd = [sys.executable, "-m", "services.common.sglang_router_main", "--host", host, "--port", str(port),
            "--policy", policy, "--worker-startup-check-interval", "1",
            "--worker-startup-timeout-secs", str(startup_timeout_s),
            "--health-check-interval-secs", str(health_interval_s),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port or free_port()),
            "--log-level", log_level]
-    if admin_token:
-        # "--flag=value": a token that starts with '-' is never read as a flag
-        cmd += [f"--api-key={admin_token}", f"--control-plane-api-keys=tandem:rollout:admin:{admin_token}"]
+    if admin_token:  # never on the command line: the router's wrapper reads it from $TANDEM_ADMIN_TOKEN
+        cmd += [ADMIN_TOKEN_FROM_ENV]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     return cmd

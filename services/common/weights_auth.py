@@ -14,6 +14,10 @@ its engines load one.
 * ``refusal``: why an update must not be loaded, or None: the signature (constant-time compare), the
   trainer's commit of that very version (its train log: same path and checksum, and not beyond the
   published version), and the checksum recomputed from the files on disk.
+* ``load_refusal``: the engine's own check before it loads a directory (whatever admin token its caller
+  holds): the rollout sends the update's checksum and signature with the load (``WeightsProof``, two HTTP
+  headers beside SGLang's unchanged body); the engine recomputes the signature for its own agent, the
+  version and the path, and the checksum from the files on disk. Any route that loads weights calls it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hmac
 import json
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,4 +147,49 @@ async def refusal(redis: Any, streams: Streams, secret: bytes, w: WeightsUpdate)
         return f"cannot read {w.path}: {exc}"
     if not hmac.compare_digest(on_disk, w.checksum):
         return f"the files under {w.path} do not match the checksum (corrupt or replaced)"
+    return None
+
+
+CHECKSUM_HEADER = "X-Tandem-Weights-Checksum"
+SIGNATURE_HEADER = "X-Tandem-Weights-Signature"
+
+
+@dataclass(frozen=True)
+class WeightsProof:
+    """A committed version's checksum and the trainer's signature, sent with a load to the engine."""
+
+    checksum: str
+    signature: str
+
+    @classmethod
+    def of(cls, w: WeightsUpdate) -> WeightsProof:
+        return cls(checksum=w.checksum, signature=w.signature)
+
+    @classmethod
+    def from_headers(cls, headers: Any) -> WeightsProof | None:
+        checksum, signature = headers.get(CHECKSUM_HEADER), headers.get(SIGNATURE_HEADER)
+        return cls(checksum, signature) if checksum and signature else None
+
+    def headers(self) -> dict[str, str]:
+        return {CHECKSUM_HEADER: self.checksum, SIGNATURE_HEADER: self.signature}
+
+
+def load_refusal(secret: bytes, agent: str, version: int | None, path: str, proof: WeightsProof | None) -> str | None:
+    """Why an engine of ``agent`` must not load ``path`` as ``version``, or None (blocking: it reads the files).
+
+    Only a version the agent's trainer signed passes: the signature over (agent, version, path, checksum) with
+    the run's secret, and the checksum of the files on disk now."""
+    if version is None:
+        return "no weight_version: only a version the trainer committed is loaded"
+    if proof is None:
+        return (f"no weights signature ({CHECKSUM_HEADER}, {SIGNATURE_HEADER}): only a version the trainer of "
+                f"{agent!r} committed is loaded, whatever token the caller holds")
+    if not hmac.compare_digest(proof.signature, sign(secret, agent, version, path, proof.checksum)):
+        return f"bad signature: {path} is not version {version} as the trainer of {agent!r} committed it"
+    try:
+        on_disk = weights_checksum(path)
+    except OSError as exc:
+        return f"cannot read {path}: {exc}"
+    if not hmac.compare_digest(on_disk, proof.checksum):
+        return f"the files under {path} do not match the signed checksum (corrupt or replaced)"
     return None

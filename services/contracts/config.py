@@ -232,6 +232,10 @@ class RunConfig(Strict):
         "crash (none on a Redis crash); always loses none (docs/guides/recovery.md)")
     redis_maxmemory_mb: int = Field(4096, ge=0, description="embedded Redis maxmemory (noeviction: a full Redis "
                                     "refuses writes and the run stops naming the limit); 0 = no limit")
+    done_ids_grace_s: float = Field(600.0, ge=10, description="how long every service waits out an unreachable "
+                                    "or full Redis (then it gives up), and so how long past the stream's retained "
+                                    "entries a consumer group keeps the ids it handled: the done-id sets level off "
+                                    "at about grace x messages per second x ~80 bytes (docs/guides/recovery.md)")
     transcripts_kept: int = Field(1000, ge=1, description="episode transcripts kept in Redis per purpose (train, "
                                   "eval); older ones are archived to runs/<run>/transcripts.jsonl.gz")
     state_kept_steps: int = Field(50, ge=4, description="per-step state kept in Redis, in training steps: the "

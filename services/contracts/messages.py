@@ -268,6 +268,7 @@ class EngineStatus(BaseModel):
     num_reqs: int | None = None
     num_waiting_reqs: int | None = None
     num_tokens: int | None = None
+    silent_s: float | None = Field(None, ge=0, description="seconds since the engine last passed a health check")
 
 
 class RolloutLoad(EventBase):
@@ -279,11 +280,13 @@ class RolloutLoad(EventBase):
     capacity: int = Field(0, ge=0)
     waiting: int = Field(0, ge=0)
     router: str = ""
+    router_restarts: int = Field(0, ge=0, description="restarts of the router by this rollout's fleet")
     engines: list[EngineStatus] = Field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
         """The load as a plain dict (engines without the fields their rollout left out)."""
-        return {**self.model_dump(include={"queue_depth", "inflight", "capacity", "waiting", "router"}),
+        return {**self.model_dump(include={"queue_depth", "inflight", "capacity", "waiting", "router",
+                                           "router_restarts"}),
                 "engines": [e.model_dump(exclude_none=True) for e in self.engines]}
 
 

@@ -22,7 +22,7 @@ RUN_FAILED = 3  # the launcher's supervisor does not restart this exit code (ser
 async def main_async(config: str, port: int | None) -> int:
     log = setup_logging("coordinator")
     cfg = load_or_exit(config)
-    bus = Bus(cfg.redis_url, cfg.run.name, "coordinator")
+    bus = Bus(cfg.redis_url, cfg.run.name, "coordinator", reconnect_window_s=cfg.run.done_ids_grace_s)
     try:
         coord = Coordinator(cfg, bus)
     except ValueError as exc:  # the environment does not fit the config: name the field, do not start

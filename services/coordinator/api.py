@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.common.admin_token import authorized
 from services.common.metrics import SERVICE_STARTS, RunMetrics
+from services.common.reconnect import REDIS_DOWN
 from services.contracts.messages import Control
 from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.dashboard.routes import episode_record
@@ -33,6 +34,8 @@ def create_app(coord: Coordinator) -> FastAPI:
     app = FastAPI(title="Tandem control API", version="1",
                   description="Drive and inspect a Tandem run (docs/architecture.md §6).")
     app.exception_handler(RequestValidationError)(_bad_request)
+    for down in REDIS_DOWN:  # an outage of the run's store: 503 with its reason, never a 500
+        app.exception_handler(down)(_redis_down)
     guard = token_guard(coord.cfg.api.token)
     _probe_routes(app, coord)
     _read_routes(app, coord, guard)
@@ -44,6 +47,11 @@ def create_app(coord: Coordinator) -> FastAPI:
 async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
     return JSONResponse(status_code=422, content={"detail": "invalid request", "errors": errors})
+
+
+async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(status_code=503, headers={"Retry-After": "5"},
+                        content={"detail": f"Redis is unavailable ({exc}); retry shortly: the run waits for it"})
 
 
 BEARER = HTTPBearer(auto_error=False, scheme_name="api.token",
@@ -72,7 +80,7 @@ def _probe_routes(app: FastAPI, coord: Coordinator) -> None:
 
     run_metrics = RunMetrics()
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, responses=responses(503))
     async def prometheus(request: Request) -> Response:
         """The run's Prometheus series (services/common/metrics.py), from the run state at this scrape."""
         await run_metrics.read_dead_letters(coord.bus.redis, coord.bus.streams.deadletter, coord.cfg.agents)
@@ -87,8 +95,12 @@ def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
 
     @app.get("/v1/status", dependencies=guard, responses=responses(401))
     async def status() -> dict[str, Any]:
-        return {**coord.state.status(), "evals": coord.evals,
-                "rejected_replies": await coord.replies.counts()}  # engine replies refused (replies.py)
+        """The run's state (in memory); while Redis is unavailable its Redis-backed counts are null."""
+        try:
+            rejected, redis = await coord.replies.counts(), "ok"  # engine replies refused (replies.py)
+        except REDIS_DOWN as exc:
+            rejected, redis = None, f"unavailable: {exc}"
+        return {**coord.state.status(), "evals": coord.evals, "rejected_replies": rejected, "redis": redis}
 
     @app.get("/v1/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
@@ -101,7 +113,7 @@ def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
             {k: r[k] for k in ("id", "group_id", "purpose", "roles", "rewards", "summary")}
             | {"turns": len(r["turns"])} for r in page]}
 
-    @app.get("/v1/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404))
+    @app.get("/v1/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404, 503))
     async def episode(episode_id: str) -> dict[str, Any]:
         return await episode_record(coord, episode_id)
 
@@ -117,7 +129,7 @@ def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
 
 def _command_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
     """Pause, resume, stop, evaluate, checkpoint: behind the token when one is configured."""
-    answers = responses(401, 409)
+    answers = responses(401, 409, 503)
 
     async def command(name: str) -> dict[str, Any]:
         if coord.state.phase in ("done", "stopped"):

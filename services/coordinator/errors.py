@@ -2,7 +2,9 @@
 
 Every 4xx the API gives has a body ``{"detail": str}`` (``ErrorBody``: FastAPI's ``HTTPException``); a
 request that fails validation gets ``{"detail": "invalid request", "errors": [{"field", "message"}]}``
-(``ValidationErrorBody``, the API's own handler). ``responses(...)`` is what a route declares, so the
+(``ValidationErrorBody``, the API's own handler). A route that needs Redis while it is unreachable answers
+503 ``{"detail": str}`` with ``Retry-After`` (never a 500); ``/v1/status`` answers 200 without its Redis-backed
+counts and says ``"redis": "unavailable: ..."``. ``responses(...)`` is what a route declares, so the
 document lists each status it can answer with the body it really sends.
 """
 
@@ -32,6 +34,8 @@ WHY = {
     404: "no such thing (the message names it)",
     409: "the run's phase does not allow it now (the message says why)",
     422: "a parameter is invalid (each field is named)",
+    503: "Redis, the run's store, is unreachable or cannot write (a restart, a full disk): retry shortly; the "
+         "run waits for it",
 }
 
 

@@ -98,13 +98,18 @@ class GroupLedger:
         return self.bus.streams.group_ledger(agent)
 
     async def launch(self, group_id: str, index: int, agents: set[str]) -> None:
-        """The group starts playing; the run's group counter moves past ``index`` in the same step."""
+        """The group starts playing; the run's group counter moves past ``index`` in the same step (repeatable:
+        a Redis outage is waited out with the bus's backoff)."""
         entry = json.dumps({"state": "playing", "at": time.time(), "index": index})
-        async with self.bus.redis.pipeline(transaction=True) as pipe:
-            for agent in sorted(agents):
-                pipe.hset(self.key(agent), group_id, entry)
-            pipe.set(self.k_launched, index + 1)
-            await pipe.execute()
+
+        async def write() -> None:
+            async with self.bus.redis.pipeline(transaction=True) as pipe:
+                for agent in sorted(agents):
+                    pipe.hset(self.key(agent), group_id, entry)
+                pipe.set(self.k_launched, index + 1)
+                await pipe.execute()
+
+        await self.bus.retrying("launching a group", write)
 
     async def emit(self, group_id: str, samples: list[Sample], empty: dict[str, str]) -> dict[str, float]:
         """Publish the group's samples and record the emission, in one transaction; the agents in

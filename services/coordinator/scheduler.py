@@ -1,15 +1,12 @@
 """The coordinator service: evaluation, gated group launches, sample emission, the end.
 
-One handler per stream: ``on_reply`` (replies), ``on_event`` (events), ``on_control``
-(control). Main loop (``Coordinator.run``): evaluate every agent against the env's
-scripted opponents (evals.py); launch GRPO groups while the staleness gate allows (see
-state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them;
-when every agent has loaded its last version, evaluate again, write the report and tell
-all services to stop.
-
-Restartable at any moment: ``restore`` rebuilds the run state at start from Redis
-(record.py: flags, evaluations, versions from their owners; ledger.py: every group).
-Replies and events that arrived while it was down wait in its consumer groups.
+One handler per stream: ``on_reply`` (replies), ``on_event`` (events: notifications, whose facts are read
+from their owners, facts.py), ``on_control`` (control). Main loop (``Coordinator.run``): evaluate every
+agent against the env's scripted opponents (evals.py); launch GRPO groups while the staleness gate allows
+(state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them; when every
+agent has loaded its last version, evaluate again, write the report and tell all services to stop.
+Restartable at any moment: ``restore`` rebuilds the run state at start from Redis (record.py: flags,
+evaluations, versions from their owners; ledger.py: every group); what arrived meanwhile waits in its groups.
 """
 
 from __future__ import annotations
@@ -22,27 +19,27 @@ import time
 from typing import Any
 
 from services.common.bus import Bus
+from services.common.reconnect import REDIS_DOWN
 from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
 from services.coordinator import evals, failures, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
+from services.coordinator.facts import OwnerFacts
 from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord, restore_run
 from services.coordinator.replies import ReplyCheck
 from services.coordinator.report import write_report
-from services.coordinator.state import RunState, finite
+from services.coordinator.state import RunState, finite, train_step_entry
 from services.envs.registry import check_environment_config
 from services.play.episode import EpisodeResult, group_scripted_rng, play_episode
 from services.play.local import LocalPlayers  # torch is imported when a Local player first plays
 
 log = logging.getLogger("tandem.coordinator")
 
-TURN_TIMEOUT_S = 300.0
-ENGINE_WAIT_S = 1800.0  # SGLang engines can take minutes to load a real model
-MAX_EMPTY_GROUPS = 50
-EPISODE_CACHE = 2000
+TURN_TIMEOUT_S, ENGINE_WAIT_S = 300.0, 1800.0  # SGLang engines can take minutes to load a real model
+MAX_EMPTY_GROUPS, EPISODE_CACHE = 50, 2000
 
 
 class Coordinator:
@@ -73,6 +70,7 @@ class Coordinator:
         self.evals_saved = 0  # evaluation reports already in the run record
         self.k_train_play, self.k_failed = bus.streams.key("coord:train_play"), bus.streams.key("coord:episodes_failed")
         self.replies = ReplyCheck(cfg, bus)  # engine replies checked before they enter an episode (replies.py)
+        self.facts = OwnerFacts(bus, cfg.run.checkpoint_root)  # what events announce, read from the owners
 
     async def restore(self) -> None:
         """Rebuild the run state from Redis (record.py): a first start finds it empty, a restart the run."""
@@ -115,10 +113,11 @@ class Coordinator:
                 fut.set_result(reply)
 
     async def on_event(self, ev: Event) -> None:
-        if ev.kind == "weights_loaded" and ev.agent in self.pool_paths and ev.path:
-            if ev.path not in self.pool_paths[ev.agent]:
-                self.pool_paths[ev.agent].append(ev.path)
-            self.version_paths[ev.agent][ev.weight_version] = ev.path
+        """Events notify; versions and step metrics come from their owners' records (facts.py: else Reject)."""
+        fact = await self.facts.weights_loaded(ev) if ev.kind == "weights_loaded" else None
+        if fact is not None and fact.path is not None and ev.agent in self.pool_paths:
+            self.version_paths[ev.agent][fact.version] = fact.path
+            self.pool_paths[ev.agent] += [] if fact.path in self.pool_paths[ev.agent] else [fact.path]
         if ev.kind == "rollout_load" and ev.agent not in self.engines_ready and any(
                 e.healthy for e in ev.engines):
             self.engines_ready.add(ev.agent)  # frozen agents too: they have no AgentState
@@ -126,15 +125,15 @@ class Coordinator:
         agent = self.state.agents.get(ev.agent)
         if agent is None:
             return
-        if ev.kind == "weights_loaded":
-            agent.loaded_weight_version = max(agent.loaded_weight_version, ev.weight_version)
-            if ev.weight_version not in agent.loaded_weight_versions:
-                agent.loaded_weight_versions.append(ev.weight_version)
+        if fact is not None:
+            agent.loaded_weight_version = max(agent.loaded_weight_version, fact.version)
+            if fact.version not in agent.loaded_weight_versions:
+                agent.loaded_weight_versions.append(fact.version)
         elif ev.kind == "train_step" and all(t.get("weight_version") != ev.weight_version for t in agent.train_steps):
-            agent.train_steps.append({**finite(ev.metrics), "weight_version": ev.weight_version,
-                                      "batch_weight_version": ev.batch_weight_version,
-                                      "time": ev.created_at})  # once per version (re-sends)
+            entry = train_step_entry(await self.facts.train_step(ev))  # the committed record's metrics
+            agent.train_steps.append({**finite(entry), "time": ev.created_at})  # once per version (re-sends)
         elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
+            await self.facts.skipped(ev)  # the trainer's record of the skip, else Reject
             agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
             for g in ev.group_ids:  # replaced by new groups; the buffer releases a batch in its place
                 agent.resolve_group(g, "dropped", f"non-finite training step: {ev.reason}")
@@ -145,8 +144,7 @@ class Coordinator:
         await self.notify()
 
     async def on_control(self, cmd: Control) -> None:
-        """A ``stop`` on the control stream from elsewhere ends the run gracefully; the coordinator's
-        own final stop comes after the run and changes nothing."""
+        """A ``stop`` from elsewhere ends the run gracefully; the coordinator's own final one changes nothing."""
         if cmd.command == "stop" and self.state.phase not in ("done", "stopped"):
             await self.control("stop")
 
@@ -364,8 +362,8 @@ class Coordinator:
         self.state.phase = "stopped" if self.state.stop_requested else "done"
 
     async def save_evals(self) -> None:
-        new, self.evals_saved = self.evals[self.evals_saved:], len(self.evals)
-        await self.run_record.add_evals(new)
+        await self.run_record.add_evals(self.evals[self.evals_saved:])
+        self.evals_saved = len(self.evals)  # after the write: a failed one is tried again
 
     async def run_and_report(self, server: Any | None = None, run_logger: Any | None = None) -> None:
         """Run, write the report, close the experiment logs (after the report: they hold at least what it
@@ -390,9 +388,13 @@ class Coordinator:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), cfg.run.trim_interval_s or 30.0)
-            await self.save_evals()
-            for name in streams if cfg.run.trim_interval_s else []:
-                await self.bus.trim_acknowledged(name)
-            for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
-                await self.ledger.prune(agent)
-            await play_archive.prune_behind(self.bus.redis, s, self.k_train_play, cfg.run_dir(), self.ledger.horizons)
+            try:  # a Redis outage (or full disk) skips a round: the next one does it (common/reconnect.py)
+                await self.save_evals()
+                for name in streams if cfg.run.trim_interval_s else []:
+                    await self.bus.trim_acknowledged(name)
+                for agent in self.ledger.agents:  # resolved groups past the staleness horizon (ledger.py prune)
+                    await self.ledger.prune(agent)
+                await play_archive.prune_behind(self.bus.redis, s, self.k_train_play, cfg.run_dir(),
+                                                self.ledger.horizons)
+            except REDIS_DOWN as exc:
+                log.warning("housekeeping skipped this round: %s", exc)

@@ -1,8 +1,9 @@
-"""CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N]
+"""CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N] [--agent A]
 [--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W] [--device D] [--dtype T]
 [--http H] [--loop L]`` serves the embedded engine with uvicorn (``auto``: httptools and uvloop where
-installed, else h11 and asyncio). Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN``
-(services/engine/server.py)."""
+installed, else h11 and asyncio). Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN``; with ``--agent A``
+it loads only versions A's trainer signed with the run's secret (``$TANDEM_WEIGHTS_SECRET``; the rollout's
+engines always get both: services/engine/server.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import uvicorn
 
 from services.common.admin_token import token_from_env
+from services.common.weights_auth import run_secret, secret_problem
 from services.engine.server import create_app
 
 # Idle keep-alive connections are kept longer than HTTP clients keep theirs (httpx and aiohttp: 5 s
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
                         help="uvicorn's HTTP parser")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn's event loop")
+    parser.add_argument("--agent", default=None,
+                        help="the agent whose trainer's signed versions alone this engine loads (with the run's "
+                             "secret in $TANDEM_WEIGHTS_SECRET or $TANDEM_WEIGHTS_SECRET_FILE)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -50,10 +55,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.switch_interval_ms <= 0:
         parser.error("--switch-interval-ms must be > 0")
     sys.setswitchinterval(args.switch_interval_ms / 1000)
+    if args.agent is not None and (no_secret := secret_problem()) is not None:
+        parser.error(f"--agent {args.agent}: {no_secret}")
+    secret = run_secret() if args.agent is not None else None
+    if secret is None:
+        logging.getLogger("tandem.engine").warning("no --agent: weight loads are guarded by the admin token alone")
     app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
                      engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
                      admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
-                     device=args.device, dtype=args.dtype)
+                     device=args.device, dtype=args.dtype, weights_secret=secret, agent=args.agent)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_S, http=args.http, loop=args.loop)
 

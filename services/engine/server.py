@@ -22,6 +22,9 @@ The admin routes (``/update_weights_from_disk``, ``/flush_cache``, ``/pause_gene
 ``/continue_generation``, ``/abort_request``) need the run's admin token as a bearer token
 (``admin_token``: the rollout gives it through ``$TANDEM_ADMIN_TOKEN``, services/common/admin_token.py;
 compared in constant time) and answer 401 otherwise; without a token they are closed to every caller.
+Given the run's weights secret and its agent (``weights_secret``, ``agent``), the engine loads only a version
+that agent's trainer signed, whatever token the caller holds: a load without the signature, or whose files no
+longer match it, is answered 403 and the live model is kept (``weights_auth.load_refusal``).
 The health, info and ``/generate`` routes stay open to the router (docs/architecture.md §2.3).
 """
 
@@ -41,6 +44,7 @@ from pydantic import BaseModel
 from starlette.routing import Route
 
 from services.common.admin_token import ADMIN_TOKEN_ENV, authorized
+from services.common.weights_auth import WeightsProof, load_refusal
 from services.contracts.sglang_api import (
     AbortReqInput,
     ContinueGenerationReqInput,
@@ -83,7 +87,8 @@ class Unauthorized(Exception):
 
 def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
                engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02,
-               admin_token: str | None = None, device: str = "cpu", dtype: str = "float32") -> FastAPI:
+               admin_token: str | None = None, device: str = "cpu", dtype: str = "float32",
+               weights_secret: bytes | None = None, agent: str | None = None) -> FastAPI:
     engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch,
                     admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s, device=device, dtype=dtype)
 
@@ -98,7 +103,7 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     _info_routes(app, engine, str(Path(model_path).resolve()), engine_id)
     # /generate is a plain Starlette route: the hot path skips FastAPI's per-request dependency solving.
     app.router.routes.append(Route("/generate", _generate_endpoint(engine, engine_id), methods=["POST"]))
-    _admin_routes(app, engine, admin_token)
+    _admin_routes(app, engine, admin_token, (weights_secret, agent) if weights_secret and agent else None)
     return app
 
 
@@ -188,8 +193,9 @@ def _admin_guard(admin_token: str | None) -> Any:
     return require_admin
 
 
-def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None) -> None:
-    """Weight loading, cache, pause/continue and abort: the admin token's routes."""
+def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer: tuple[bytes, str] | None) -> None:
+    """Weight loading, cache, pause/continue and abort: the admin token's routes. With ``signer`` (the run's
+    secret and this engine's agent) a load needs the trainer's signature too (``weights_auth.load_refusal``)."""
     admin = [Depends(_admin_guard(admin_token))]
 
     @app.post("/update_weights_from_disk", dependencies=admin)
@@ -201,6 +207,10 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None) -> None
                 version = int(body.weight_version)
             except ValueError:
                 raise EngineError(f"weight_version must be an integer, got {body.weight_version!r}") from None
+        if signer is not None and (why := await asyncio.to_thread(
+                load_refusal, *signer, version, body.model_path, WeightsProof.from_headers(request.headers))):
+            out = UpdateWeightFromDiskReqOutput(success=False, message=f"refused: {why}")
+            return JSONResponse(out.model_dump(), status_code=403)
         paused = engine.load()["num_reqs"] if engine.paused else 0
         try:
             loaded = await engine.update_weights(body.model_path, version, body.abort_all_requests)

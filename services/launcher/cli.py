@@ -11,6 +11,7 @@ from importlib import metadata
 from services.common.cli_args import EVAL_DESCRIPTION, SERVE_DESCRIPTION, add_eval_arguments, add_serve_arguments
 from services.common.extras import missing
 from services.contracts.config import ConfigError
+from services.launcher import run_lock
 from services.launcher.overrides import add_set_argument, load_with_overrides, write_effective
 from services.launcher.preflight import preflight
 from services.launcher.runs import add_run_commands, run_command
@@ -149,18 +150,27 @@ def main(argv: list[str] | None = None) -> None:
     source = " ".join([args.config, *(f"--set {s}" for s in args.set)])
     try:
         cfg, data = load_with_overrides(args.config, args.set)
+        if mode != "validate":  # before preflight: a live run is refused as live, not as "exists"
+            run_lock.check_live(cfg)
         preflight(cfg, source, mode)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None
+    except run_lock.RunIsLive as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(run_lock.RUN_IS_LIVE) from None
     if args.command == "validate":
         print(f"{source}: ok ({len(cfg.agents)} agents, environment {cfg.environment.name})")
         return
     from services.launcher.up import up
 
     config_path = args.config if data is None else write_effective(cfg, data, source)
-
-    raise SystemExit(up(cfg, config_path, resume=args.resume, fresh=args.fresh))
+    try:
+        code = up(cfg, config_path, resume=args.resume, fresh=args.fresh)
+    except run_lock.RunIsLive as exc:  # another launcher took the run since the check
+        print(str(exc), file=sys.stderr)
+        code = run_lock.RUN_IS_LIVE
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

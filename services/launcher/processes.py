@@ -12,6 +12,7 @@ the service and its exit code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -127,14 +128,39 @@ class ProcessGroup:
         return child
 
     def _pump(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        """Drain the child's output into its log file and the console. A log that cannot be written (a full
+        disk: ENOSPC) never stops the draining (a child blocked on a full pipe would hang): the line is still
+        echoed, the failure is said once per outage, and writing is tried again with the next line."""
         assert proc.stdout is not None
-        with open(self.log_dir / f"{name}.log", "ab") as f:
+        path = self.log_dir / f"{name}.log"
+        f, failing = None, False
+        try:
             for line in proc.stdout:
-                f.write(line)
-                f.flush()
+                try:
+                    f = f or open(path, "ab")  # noqa: SIM115 (kept open across lines; closed below)
+                    f.write(line)
+                    f.flush()
+                    failing = False
+                except OSError as exc:
+                    if not failing:
+                        self._say(name, f"cannot write its log ({exc.strerror}: disk full at {path}?); "
+                                        "its output is shown here only until space returns")
+                    failing = True
+                    if f is not None:
+                        with contextlib.suppress(OSError):
+                            f.close()
+                    f = None
                 text = line.decode(errors="replace").rstrip()
                 if text:
-                    self.echo(name, text)
+                    self._say(name, text)
+        finally:
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+    def _say(self, name: str, text: str) -> None:
+        with contextlib.suppress(OSError):  # the launcher's own output on a full disk: the draining goes on
+            self.echo(name, text)
 
     def supervise(self, now: float | None = None) -> list[str]:
         """Restart the children that died and whose backoff is over; return what happened, one line each.

@@ -6,8 +6,9 @@ coordinator → per trained agent the buffer and trainer (a new run's once its f
 services/launcher/deferred.py). It shows progress from the coordinator's ``/v1/status`` and supervises
 every child and the embedded Redis: one that dies is restarted in place within the restart budget
 (``run.max_restarts`` in ``run.restart_window_s``), the count goes to the live view, the Redis hash
-``state:restarts`` and ``summary.json``; past the budget the run stops naming the service. Ctrl-C
-and SIGTERM stop everything; ``tandem up CONFIG --resume`` then continues the run.
+``state:restarts`` and ``summary.json``; past the budget the run stops naming the service and saying that
+``--resume`` continues it. Ctrl-C (SIGINT, handled explicitly) and SIGTERM stop everything; ``tandem up
+CONFIG --resume`` then continues the run.
 """
 
 from __future__ import annotations
@@ -34,19 +35,24 @@ from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
 from services.contracts.streams import Streams
+from services.launcher import run_lock
 from services.launcher.deferred import AfterFirstTurn
+from services.launcher.disk import DiskWatch
 from services.launcher.processes import (
     LOST_EPISODES,
     ProcessGroup,
     RestartBudget,
+    ServiceFailed,
     Supervised,
     child_env,
     python_module,
 )
 from services.launcher.progress import Progress, fmt_duration
+from services.launcher.restarts import EngineRestarts, RestartLedger, silent_engines
 from services.play.evaluation import fmt_report
 
 log = logging.getLogger("tandem.launcher")
+DISK_CHECK_S = 5.0  # how often the launcher looks for a full disk
 
 
 def status_table(status: dict | None, restarts: dict[str, int] | None = None,
@@ -56,6 +62,7 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n)
     caption = [f"restarts: {restarted}"] if restarted else []
     caption += [latest_eval(status)] if status and status.get("evals") else []
+    caption += [f"[red]{line}[/red]" for line in silent_engines(status)]
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
                         f"{status.get('phase') if status else 'starting'} — ETA {eta}",
                   caption="\n".join(caption) or None)
@@ -191,65 +198,16 @@ class RedisProcess(Supervised):
         self.idle.wait(timeout)
 
 
-class EngineRestarts:
-    """Engine restarts per agent (``engines.<agent>``) from the statuses the launcher polls: each rollout's
-    fleet counts its engines' restarts, from 0 again when the rollout itself restarts."""
-
-    def __init__(self, ledger: RestartLedger) -> None:
-        self.ledger = ledger
-        self.seen: dict[str, int] = {}  # agent -> restarts the current rollout reports
-        self.total: dict[str, int] = {}  # agent -> restarts in this session
-
-    def update(self, status: dict | None) -> None:
-        for agent, a in ((status or {}).get("agents") or {}).items():
-            now = sum(int(e.get("restarts") or 0) for e in (a.get("rollout") or {}).get("engines") or [])
-            new = now - self.seen.get(agent, 0) if now >= self.seen.get(agent, 0) else now  # a new fleet
-            self.seen[agent] = now
-            if new > 0:
-                name = f"engines.{agent}"
-                self.total[name] = self.total.get(name, 0) + new
-                self.ledger.record(name, self.total[name], new)
-
-
-class RestartLedger:
-    """Restarts per service in the run's Redis hash ``state:restarts`` (the coordinator's report reads it;
-    a resumed run adds to the counts of the sessions before)."""
-
-    def __init__(self, redis_url: str, run: str) -> None:
-        self.client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
-        self.key = Streams(run).restarts()
-        self.pending: dict[str, int] = {}  # restarts not yet written (Redis was down)
-
-    def record(self, name: str, _count: int, n: int = 1) -> None:
-        """Add ``n`` restarts of ``name``; while Redis is down (its own restart is under way) they wait for
-        the next record or ``counts``."""
-        self.pending[name] = self.pending.get(name, 0) + n
-        self.flush()
-
-    def flush(self) -> None:
-        for name, n in list(self.pending.items()):
-            try:
-                self.client.hincrby(self.key, name, n)
-            except redis_lib.RedisError as exc:
-                log.info("restarts of %s not recorded yet: %s", name, exc)
-                return
-            del self.pending[name]
-
-    def counts(self, local: dict[str, int]) -> dict[str, int]:
-        self.flush()
-        try:
-            stored = {k.decode(): int(v) for k, v in self.client.hgetall(self.key).items()}
-        except redis_lib.RedisError:
-            stored = {}
-        return {name: max(stored.get(name, 0), n) for name, n in {**stored, **local}.items()}
-
-
 def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resume: bool = False,
        fresh: bool = False) -> int:
     """Run the experiment: new (no earlier state; preflight checked), ``fresh`` (the earlier state is wiped
     first) or ``resume`` (the run's Redis AOF, checkpoints and directory are kept and the services go on)."""
     console = console or Console()
     run_dir = cfg.run_dir()
+    run_lock.acquire(cfg, config_path)  # one run, one stack: RunIsLive names a live launcher (run_lock.py)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM and SIGINT stop the run like Ctrl-C,
+        signal.signal(signal.SIGTERM, _interrupt)  # SIGINT too where it was inherited ignored (a script's
+        signal.signal(signal.SIGINT, _interrupt)  # background job), where Python installs no handler of its own
     if fresh:
         wipe_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -271,8 +229,6 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         console.print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; data in {run_dir / 'redis'})"
                       + (", resumed from its AOF" if resume else ""))
     api_port = cfg.api.port or free_port()
-    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the run like Ctrl-C
-        signal.signal(signal.SIGTERM, _interrupt)
     ledger = RestartLedger(redis_url, cfg.run.name)
     engines = EngineRestarts(ledger)
     group = ProcessGroup(run_dir / "logs", child_env(env), echo,
@@ -284,13 +240,19 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         # a new run starts its buffers and trainers after the first turn; a resumed one at once
         later = None if resume else AfterFirstTurn(redis_url, [Streams(cfg.run.name).turns(a) for a in cfg.agents])
         api = start_services(cfg, config_path, group, api_port, later)
-        code = watch(group, api, console, cfg.api.token, engines, later.watch() if later else None)
+        disk = DiskWatch([run_dir / "redis" if redis is not None else run_dir, run_dir, Path(cfg.run.checkpoint_root)],
+                         lambda: ledger.client.info("persistence"),
+                         lambda line: console.print(f"[red]{line}[/red]", soft_wrap=True))
+        code = watch(group, api, console, cfg.api.token, engines, later.watch() if later else None, disk)
     except KeyboardInterrupt:
         console.print("interrupted (Ctrl-C or SIGTERM): stopping every service"
                       f" (continue with `tandem up {config_path} --resume`)")
         code = 130
     except RuntimeError as exc:  # ServiceFailed included
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        if isinstance(exc, ServiceFailed):
+            console.print(f"nothing acknowledged is lost: once the cause is fixed, `tandem up {config_path} --resume` "
+                          "continues the run where it stopped", soft_wrap=True)
         code = 1
     finally:
         group.stop_all()
@@ -334,8 +296,8 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
-          engines: EngineRestarts | None = None, later: AfterFirstTurn | None = None) -> int:
+def watch(group: ProcessGroup, api: str, console: Console, token: str = "", engines: EngineRestarts | None = None,
+          later: AfterFirstTurn | None = None, disk: DiskWatch | None = None) -> int:
     """Supervise the children (restart a dead one within the budget) and refresh progress until the
     coordinator exits 0; ``ServiceFailed`` when a service is past its restart budget. Once the status says
     the run is over (``done`` or ``stopped``) only the coordinator is still restarted: it writes the report
@@ -345,7 +307,7 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
     progress = Progress()
     last_print = 0.0
     started = time.time()
-    announced = False
+    announced, disk_checked = False, 0.0
     with Live(status_table(None), console=console, auto_refresh=False,
               transient=False) if console.is_terminal else _NoLive() as live:
         while True:
@@ -355,6 +317,9 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "",
                 console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
             if engines is not None and engines.ledger.pending:
                 engines.ledger.flush()  # restarts counted while Redis itself was restarting
+            if disk is not None and time.monotonic() - disk_checked >= DISK_CHECK_S:
+                disk.check()  # "disk full at PATH", once per fault (launcher/disk.py)
+                disk_checked = time.monotonic()
             if group.exited("coordinator") == 0:
                 return 0
             try:

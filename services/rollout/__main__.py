@@ -52,7 +52,7 @@ async def main_async(config: str, agent: str, router_url: str | None, early: Spa
     if (no_secret := secret_problem()) is not None:  # it verifies what its engines load (weights_auth.py)
         log.error("%s", no_secret)
         return 2
-    bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}")
+    bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}", reconnect_window_s=cfg.run.done_ids_grace_s)
     s = bus.streams
     rollout = await RolloutService.start(cfg, agent, bus, router_url, early=early)
     stop = asyncio.Event()

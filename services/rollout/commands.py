@@ -1,7 +1,8 @@
 """Command lines of the processes a rollout service starts: its engines (and, via
 ``services.common.sglang_router.router_command``, its router).
 
-``engine: embedded``  -> ``python -m services.engine --model-path M --port P --engine-id A-i --device D --dtype T``
+``engine: embedded``  -> ``python -m services.engine --model-path M --port P --engine-id A-i --agent A --device D
+                          --dtype T`` (it loads only A's signed versions: services/common/weights_auth.py)
 ``engine: sglang``    -> ``python -m sglang.launch_server --model-path M --host H --port P --tp-size T
                           --mem-fraction-static F --base-gpu-id G [extra_args...]``
 where engine i of an agent uses GPUs ``base_gpu_id + i*tp_size`` .. ``+ tp_size - 1``.
@@ -18,7 +19,7 @@ def engine_command(acfg: AgentConfig, agent: str, index: int, port: int, host: s
     """The argv that starts engine ``index`` of ``agent`` on ``port``."""
     if acfg.engine == "embedded":
         return [sys.executable, "-m", "services.engine", "--model-path", acfg.model_path, "--host", host,
-                "--port", str(port), "--engine-id", f"{agent}-{index}",
+                "--port", str(port), "--engine-id", f"{agent}-{index}", "--agent", agent,
                 "--max-batch", str(acfg.max_inflight_per_engine),
                 "--device", acfg.embedded.device, "--dtype", acfg.embedded.dtype]
     sg = acfg.sglang

@@ -21,6 +21,7 @@ import orjson
 from pydantic import ValidationError
 
 from services.common.admin_token import bearer
+from services.common.weights_auth import WeightsProof
 from services.contracts.messages import FinishReason
 from services.contracts.sglang_api import (
     GenerateReqOutput,
@@ -111,9 +112,9 @@ class EngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
         try:
-            return await self._http.post(url, json=body)
+            return await self._http.post(url, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise EngineClientError(f"POST {url} failed: {exc!r}") from exc
 
@@ -156,11 +157,13 @@ class EngineClient:
         except ValueError as exc:
             raise EngineClientError(f"generate {rid}: unparseable reply: {exc}") from exc
 
-    async def update_weights(self, engine_url: str, model_path: str, version: int) -> None:
-        """Load ``model_path`` into one engine as ``version``; raise unless it reports success."""
+    async def update_weights(self, engine_url: str, model_path: str, version: int,
+                             proof: WeightsProof | None = None) -> None:
+        """Load ``model_path`` into one engine as ``version`` (with the trainer's ``proof``: the engine checks
+        it, services/common/weights_auth.py); raise unless it reports success."""
         url = f"{engine_url.rstrip('/')}/update_weights_from_disk"
         body = UpdateWeightFromDiskReqInput(model_path=str(model_path), weight_version=str(version))
-        resp = await self._post(url, body.model_dump(exclude_none=True))
+        resp = await self._post(url, body.model_dump(exclude_none=True), proof.headers() if proof else None)
         try:
             out = UpdateWeightFromDiskReqOutput.model_validate(resp.json())
         except (ValueError, ValidationError):

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
+from services.common.weights_auth import WeightsProof
 from services.contracts.config import AgentConfig
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
@@ -51,6 +52,7 @@ class ManagedEngine:
     failures: int = 0
     weight_version: int = 0
     load: dict[str, Any] = field(default_factory=dict)
+    last_ok: float = field(default_factory=time.monotonic)  # when it last passed a health check (or started)
 
     @property
     def url(self) -> str:
@@ -77,6 +79,7 @@ class EngineFleet:
         self.router: Proc | None = early.router
         self.router_restarts = 0
         self.latest: tuple[str, int] | None = None  # (path, version) last loaded on the fleet
+        self.latest_proof: WeightsProof | None = None  # its checksum and signature (engines verify them)
         self._lock = asyncio.Lock()
         self.token = early.token  # the admin token of this run's engines and router
         self._http = httpx.AsyncClient(timeout=health_timeout)
@@ -138,7 +141,7 @@ class EngineFleet:
     async def _register(self, e: ManagedEngine) -> None:
         async with self._lock:  # the latest version first, then traffic
             if self.latest is not None and e.weight_version != self.latest[1]:
-                await self._client.update_weights(e.url, *self.latest)
+                await self._client.update_weights(e.url, *self.latest, self.latest_proof)
                 e.weight_version = self.latest[1]
             await add_worker(self.router_url, e.url, timeout=60, token=self.token)
             e.registered, e.failures = True, 0
@@ -149,8 +152,10 @@ class EngineFleet:
             with contextlib.suppress(KeyError, RuntimeError, TimeoutError, httpx.HTTPError):
                 await remove_worker(self.router_url, e.url, timeout=10, token=self.token)
 
-    async def load_weights(self, path: str, version: int, rejoin_timeout: float | None = None) -> list[str]:
-        """Load ``path`` as ``version`` on every registered engine; a restarting one gets it on rejoin.
+    async def load_weights(self, path: str, version: int, rejoin_timeout: float | None = None,
+                           proof: WeightsProof | None = None) -> list[str]:
+        """Load ``path`` as ``version`` on every registered engine (with the trainer's ``proof``, which each engine
+        checks); a restarting one gets it on rejoin.
 
         An engine that dies under the update (it exited, or the connection broke) is deregistered and left to
         ``supervise`` to restart: it loads this version when it rejoins. When that (or a restart already under
@@ -159,13 +164,13 @@ class EngineFleet:
         on-policy agent stall meanwhile). An engine that answers but refuses the weights fails the update."""
         async with self._lock:
             live = [e for e in self.engines if e.registered]
-            results = await asyncio.gather(*(self._client.update_weights(e.url, path, version) for e in live),
+            results = await asyncio.gather(*(self._client.update_weights(e.url, path, version, proof) for e in live),
                                            return_exceptions=True)
             lost = [e for e, r in zip(live, results, strict=True) if isinstance(r, BaseException) and _died(e, r)]
             refused = [r for e, r in zip(live, results, strict=True) if isinstance(r, BaseException) and e not in lost]
             if refused:
                 raise refused[0]
-            self.latest = (path, version)  # only once every live engine loaded it (or died trying)
+            self.latest, self.latest_proof = (path, version), proof  # once every live engine loaded it (or died)
             loaded = [e for e in live if e not in lost]
             for e in loaded:
                 e.weight_version = version
@@ -243,6 +248,7 @@ class EngineFleet:
         except (httpx.HTTPError, ValueError):
             ok = False
         e.failures = 0 if ok else e.failures + 1
+        e.last_ok = time.monotonic() if ok else e.last_ok
         if e.failures >= self.max_failures:
             log.warning("engine %s failed %d health checks in a row: restarting it", e.url, e.failures)
             return False
@@ -256,7 +262,7 @@ class EngineFleet:
         if e.proc is not None:
             await e.proc.wait()
         e.restarts += 1
-        e.weight_version, e.load = 0, {}
+        e.weight_version, e.load, e.last_ok = 0, {}, time.monotonic()
         while True:
             try:
                 await self._boot(e)
@@ -274,8 +280,12 @@ class EngineFleet:
         return sum(1 for e in self.engines if e.registered)
 
     def snapshot(self) -> list[dict[str, Any]]:
+        """Each engine's state; ``silent_s`` grows from its last passed health check while a check hangs (a
+        stopped engine is named by it within seconds, long before the restart's ``max_failures`` checks)."""
+        now = time.monotonic()
         return [{"url": e.url, "healthy": e.registered, "pid": e.proc.pid if e.proc else None,
-                 "restarts": e.restarts, "weight_version": e.weight_version, **e.load} for e in self.engines]
+                 "restarts": e.restarts, "weight_version": e.weight_version, **e.load,
+                 "silent_s": round(now - e.last_ok, 1)} for e in self.engines]
 
     async def close(self) -> None:
         procs = [p for p in [*(e.proc for e in self.engines), self.router] if p is not None and p.returncode is None]

@@ -32,7 +32,7 @@ from services.common.admin_token import token_from_env
 from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
-from services.common.weights_auth import refusal, run_secret
+from services.common.weights_auth import WeightsProof, refusal, run_secret
 from services.contracts.config import TandemConfig
 from services.contracts.messages import (
     EngineStatus,
@@ -174,10 +174,11 @@ class RolloutService:
         if why is not None:
             raise Reject(f"weights version {w.weight_version} at {w.path} refused: {why}")
         if self.fleet is not None:
-            engines = await self.fleet.load_weights(w.path, w.weight_version)
+            engines = await self.fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
         else:
             engines = await list_workers(self.router_url, token=self.token)
-            await asyncio.gather(*(self.client.update_weights(url, w.path, w.weight_version) for url in engines))
+            await asyncio.gather(*(self.client.update_weights(url, w.path, w.weight_version, WeightsProof.of(w))
+                                   for url in engines))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.weight_version} on")
         async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -209,7 +210,8 @@ class RolloutService:
                 engines = [EngineStatus(url=u, healthy=True) for u in urls]
         await self.bus.publish(s.events, RolloutLoad(
             source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
-            capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines))
+            capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines,
+            router_restarts=self.fleet.router_restarts if self.fleet else 0))
 
 
 async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
@@ -226,5 +228,5 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
     if why is not None:
         log.warning("not resuming weights version %d (%s): engines start on the base model", w.weight_version, why)
         return
-    await fleet.load_weights(w.path, w.weight_version)
+    await fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
     log.info("resumed on version %d", w.weight_version)

@@ -42,7 +42,7 @@ async def main_async(config: str, agent: str) -> int:
         else:
             await asyncio.to_thread(policy.follow)
         return 0
-    bus = Bus(cfg.redis_url, cfg.run.name, f"trainer-{agent}")
+    bus = Bus(cfg.redis_url, cfg.run.name, f"trainer-{agent}", reconnect_window_s=cfg.run.done_ids_grace_s)
     trainer = TrainerService(cfg, agent, bus, policy)
     try:
         await trainer.resume()

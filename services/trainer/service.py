@@ -8,9 +8,9 @@ published version, train log) in one transaction, publishes ``weights:{agent}`` 
 
 Resume (``resume``): the Redis commit is the point of no return. On start the trainer loads
 the state of the published version (the latest committed one) and deletes any newer,
-uncommitted state; a batch that was trained but not committed before a crash is redelivered
-(never acknowledged) and trained again from the committed state, so no sample is trained on
-twice.
+uncommitted state and every half-written weights directory (``v*.tmp*``, ``tidy_weights``);
+a batch that was trained but not committed before a crash is redelivered (never acknowledged)
+and trained again from the committed state, so no sample is trained on twice.
 
 A non-finite step (``NonFiniteStep``: loss, gradient or weight) rolls back to the committed state
 the same way, but is not retried: ``skip`` records it once in Redis (the batch id, its samples; the
@@ -67,6 +67,15 @@ def state_versions(state_root: Path) -> list[int]:
     return sorted(int(p.name[1:]) for p in state_root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
 
 
+def tidy_weights(ckpt_dir: Path) -> list[Path]:
+    """Remove the half-written weights directories (``v*.tmp*``) a trainer killed mid-save left; return them.
+    Called at start only: no other trainer of the agent writes there (one run, one stack)."""
+    leftovers = sorted(p for p in ckpt_dir.glob("v*.tmp*") if p.is_dir())
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)
+    return leftovers
+
+
 def tidy_states(state_root: Path, committed: int) -> None:
     """Remove uncommitted states (newer than ``committed``, or half-written) and all but the newest kept ones."""
     for p in state_root.glob("v*.tmp*"):
@@ -115,6 +124,9 @@ class TrainerService:
                                f"see train_step_skipped events and the dead-letter stream")
         self.weight_version = int(await self.bus.redis.get(s.published_weight_version(self.agent)) or 0)
         await asyncio.to_thread(tidy_states, self.state_root, self.weight_version)
+        if leftovers := await asyncio.to_thread(tidy_weights, self.ckpt_dir):
+            self.log.info("removed %d half-written weights directories: %s", len(leftovers),
+                          ", ".join(p.name for p in leftovers))
         if self.weight_version:
             start = self.state_dir(self.weight_version)
             if not start.is_dir():
