@@ -2,7 +2,8 @@
 
 Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
-``train_step`` with the configured algorithm (``services.training.algorithms``),
+``train_step`` with the configured algorithm (``services.training.algorithms``; activation checkpointing
+by ``trainer.gradient_checkpointing``),
 writes each version as an HF directory the engines load (merged, under LoRA), and
 saves / restores the full training state for resume.
 """
@@ -61,6 +62,9 @@ class TorchPolicy(TrainingStep):
         self.device = resolve(acfg.trainer.device, "trainer.device")
         self.precision = acfg.trainer.dtype
         base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32).to(self.device)
+        if acfg.trainer.gradient_checkpointing:  # recompute each layer's activations in the backward pass
+            base.config.use_cache = False
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.reference: torch.nn.Module | None = None
         if acfg.lora is not None:
             self.model: torch.nn.Module = lora().add_adapters(base, acfg.lora)  # reference = adapters disabled
