@@ -144,12 +144,14 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if engine.load()["num_reqs"] and time.monotonic() - engine.last_step_at < 5.0:
-            return Response(status_code=200)  # as SGLang: busy and making progress is healthy
+        # as SGLang: busy and making progress is healthy; "progress" and the probe's wait follow the slowest
+        # recent step (a big prefill of a slow model may take longer than 5 s)
+        if engine.load()["num_reqs"] and time.monotonic() - engine.last_step_at < engine.step_seconds.bound(5.0):
+            return Response(status_code=200)
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[engine.pad_id], temperature=0.0,
                          max_new_tokens=1)
         try:
-            await asyncio.wait_for(engine.generate(req), timeout=30.0)
+            await asyncio.wait_for(engine.generate(req), timeout=engine.step_seconds.bound(30.0))
         except TimeoutError:
             return _bad("health generation timed out (engine paused or busy)", 503)
         return Response(status_code=200)

@@ -45,6 +45,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.devices import dtype_of, resolve
+from services.common.latency import LatencyWindow
 from services.inference.batch import RunningBatch
 from services.inference.prefix_cache import PrefixCache, prefill_inputs, row_kv, sequence_tokens
 from services.inference.request import Completion, EngineError, GenRequest, resolve_all
@@ -93,6 +94,7 @@ class Engine:
         self.paused = False
         self._stopped = False
         self.last_step_at = time.monotonic()
+        self.step_seconds = LatencyWindow()  # recent steps' durations (the health probe's patience follows them)
         # prefills; decode steps; requests that joined a running batch; that left while others ran on;
         # seconds the model thread spent in steps (prefills, decodes, sampling: busy, not waiting for work);
         # prompt tokens fed to prefills, and taken from the prefix cache instead
@@ -208,6 +210,7 @@ class Engine:
                 log.exception("step failed; aborting the %d running request(s)", len(self._batch.rows))
                 self._fail_all(f"engine error: {exc}", also=admit)
             self.stats["busy_s"] += time.perf_counter() - started
+            self.step_seconds.add(time.perf_counter() - started)
         self._fail_all("engine stopped")
 
     def _next_work(self) -> tuple[list[_Op], list[GenRequest], bool] | None:
