@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.devices import cpu_has_bf16, training_precision
 from services.contracts.agent_parts import TrainerConfig
 from services.contracts.config import AgentConfig, AlgorithmConfig, LoraConfig
 from services.contracts.messages import Sample
@@ -48,3 +49,11 @@ def test_memory_is_reported_per_step(tiny_model_dir: Path) -> None:
         longer = [completion_sample([5, 6, 7, 8, 9] * 4, [40, 41, 42, 43] * 4, r, "g", logp=-5.5)
                   for r in (1.0, 0.0)]
         assert p.train_step(longer)["activation_mb"] > m["activation_mb"]  # activations grow with the sequence
+
+
+def test_bf16_autocast_stays_off_a_cpu_without_native_bf16(tiny_model_dir: Path) -> None:
+    cpu = torch.device("cpu")
+    assert training_precision(cpu, "float32") == "float32"
+    assert training_precision(cpu, "bfloat16") == ("bfloat16" if cpu_has_bf16() else "float32")
+    p = make_policy(AgentConfig(model_path=str(tiny_model_dir), trainer=TrainerConfig(dtype="bfloat16")), 1.0)
+    assert p.precision == training_precision(cpu, "bfloat16")

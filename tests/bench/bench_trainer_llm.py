@@ -9,8 +9,8 @@ two groups) and the same torch threads, one optimizer step per batch, their step
 * ``tandem``: ``TorchPolicy.train_step`` (GRPO, one minibatch, float32; what the trainer service runs);
 * ``plain``: a loop written against transformers and peft alone: forward, log_softmax and gather, the clipped
   ratio loss on the masked tokens with the group-normalised rewards, backward, clip, AdamW step;
-* ``bf16``: the backend under bf16 autocast (``trainer.dtype: bfloat16``); ``checkpointing``: with
-  ``trainer.gradient_checkpointing``.
+* ``bf16``: the backend under bf16 autocast (forced: on a CPU without native bf16 the trainer itself keeps
+  float32, ``devices.training_precision``); ``checkpointing``: with ``trainer.gradient_checkpointing``.
 
 Figures (medians over rounds): ``llm_tokens_per_s_ratio`` (tandem ÷ plain, tokens of every sample per
 second), ``llm_bf16_autocast_speedup`` (bf16 ÷ float32 tokens/s), ``llm_checkpointing_speed_ratio`` and the
@@ -95,8 +95,10 @@ class PlainLoop:
 
 def tandem(model_dir: Path, dtype: str = "float32", checkpointing: bool = False) -> Any:
     torch.manual_seed(0)
-    return make_policy(AgentConfig(model_path=str(model_dir), lora=LORA, algorithm=AlgorithmConfig(lr=1e-5),
-                                   trainer=TrainerConfig(dtype=dtype, gradient_checkpointing=checkpointing)), 1.0)
+    policy = make_policy(AgentConfig(model_path=str(model_dir), lora=LORA, algorithm=AlgorithmConfig(lr=1e-5),
+                                     trainer=TrainerConfig(gradient_checkpointing=checkpointing)), 1.0)
+    policy.precision = dtype  # measured even where the trainer would not autocast (a CPU without native bf16)
+    return policy
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
