@@ -336,7 +336,7 @@ class Engine:
         self.stats["cached_tokens"] += sum(p.cached)
         mask, pos = p.mask, p.pos
         out = self.model(input_ids=p.ids, attention_mask=mask, position_ids=pos, past_key_values=p.cache,
-                         use_cache=True)
+                         use_cache=True, logits_to_keep=1)  # the last position's logits only (the LM head's work)
         toks, lps = self._sample(out.logits[:, -1, :].float(), live)
         with self._cv:
             self.stats["joined_running"] += len(live) if self._batch.rows else 0

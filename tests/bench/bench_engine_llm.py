@@ -191,8 +191,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if args.device == "cuda":
             figures["gpu"] = torch.cuda.get_device_name()
         started = time.perf_counter()
-        figures |= await prefix_figures(engine, args)
-        figures |= await batched_figures(engine, args)
+        if "dialogue" in args.parts:
+            figures |= await prefix_figures(engine, args)
+        if "batched" in args.parts:
+            figures |= await batched_figures(engine, args)
         figures |= {"load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
                     "seconds": round(time.perf_counter() - started, 1)}
         return figures
@@ -217,6 +219,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--prefix-cache-mb", type=float, default=256.0)
+    p.add_argument("--parts", type=lambda s: s.split(","), default=["dialogue", "batched"],
+                   help="dialogue (the prefix figures), batched (the figures against model.generate)")
     return p
 
 
