@@ -4,6 +4,12 @@
 message id, runs the handlers, and acknowledges completions in bursts; it survives Redis restarts. The delivery
 rules are the bus's (services/common/bus.py); the done set and which deliveries are checked are
 services/common/retention.py's.
+
+Work in progress is never reclaimed: while an entry is being handled here, ``_keepalive`` resets its idle
+time every third of ``claim_idle_ms`` (XCLAIM JUSTID: no delivery is counted), so neither this consumer's
+XAUTOCLAIM nor another's takes it however long the handler runs. Only an entry whose consumer died (or
+released it) idles long enough to be reclaimed: after the claim idle time, at least ``claim_idle_ms`` and
+otherwise four times the slowest recent handling here (``services/common/latency.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from services.common.bus_adds import AGAIN, full_error
+from services.common.latency import LatencyWindow
 from services.common.metrics import observed
 from services.common.reconnect import REDIS_DOWN, Backoff
 from services.common.retention import DoneIds, RecentIds
@@ -72,10 +79,16 @@ class ConsumeLoop:
         self.completed: list[_Entry] = []  # handled (or to dead-letter), not yet acknowledged
         self.wake = asyncio.Event()
         self.closing = False
+        self.handling = LatencyWindow()  # how long the handlers took lately: the reclaim idle time follows it
+
+    def claim_idle(self) -> int:
+        """Milliseconds an entry must idle before it is reclaimed: ``claim_idle_ms`` or 4 x the slowest handling."""
+        return int(self.handling.bound(self.claim_idle_ms / 1000) * 1000)
 
     async def run(self, stop: asyncio.Event) -> None:
         backoff = Backoff(f"{self.bus.service} consuming {self.stream}", self.bus.reconnect_window_s)
         flusher = asyncio.create_task(self._flusher())
+        keepalive = asyncio.create_task(self._keepalive())
         pending_id: str | None = "0"  # first our own pending entries (a restart), then new ones
         next_claim, fresh = 0.0, True
         try:
@@ -89,7 +102,7 @@ class ConsumeLoop:
                     entries: list[tuple[bytes, dict[bytes, bytes]]] = []
                     if time.monotonic() >= next_claim:
                         entries = await self._autoclaim()
-                        next_claim = time.monotonic() + max(self.claim_idle_ms / 2000, 0.05)
+                        next_claim = time.monotonic() + max(self.claim_idle() / 2000, 0.05)
                     redelivered = bool(entries) or pending_id is not None
                     if not entries:
                         entries, pending_id = await self._read(pending_id)
@@ -107,6 +120,7 @@ class ConsumeLoop:
             if self.tasks:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
         finally:
+            keepalive.cancel()
             await asyncio.shield(self._close(flusher))
 
     async def _join(self) -> None:
@@ -124,12 +138,25 @@ class ConsumeLoop:
         return entries, pending_id
 
     async def _autoclaim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        resp = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms,
+        resp = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_time=self.claim_idle(),
                                        start_id="0-0", count=self.count)
-        claimed = [(eid, fields) for eid, fields in resp[1] if fields is not None]
+        claimed = [(eid, fields) for eid, fields in resp[1] if fields is not None and eid not in self.working]
         if claimed:
             log.info("%s reclaimed %d pending entries of %s", self.consumer, len(claimed), self.stream)
         return claimed
+
+    async def _keepalive(self) -> None:
+        """Reset the idle time of the entries being handled here, so that no consumer reclaims them meanwhile."""
+        while True:  # every third of the floor: another consumer may have measured nothing yet
+            await asyncio.sleep(max(self.claim_idle_ms / 3000, 0.02))
+            ids = list(self.working)
+            try:
+                for i in range(0, len(ids), 1000):
+                    await self.r.xclaim(self.stream, self.group, self.consumer, 0, ids[i:i + 1000], justid=True)
+            except REDIS_DOWN:
+                continue  # the consume loop waits Redis out; the entries stay ours meanwhile
+            except ResponseError as exc:
+                log.warning("%s: could not keep %d entries of %s alive: %s", self.consumer, len(ids), self.stream, exc)
 
     def _parse(self, entry_id: bytes, fields: dict[bytes, bytes]) -> _Entry:
         raw = fields.get(FIELD)
@@ -180,8 +207,10 @@ class ConsumeLoop:
     async def _handle(self, e: _Entry) -> None:
         """Run the handler; on success or a final failure the entry joins ``completed`` (acknowledged in a burst);
         otherwise it stays pending and is released for a later reclaim."""
+        started = time.monotonic()
         try:
             await self.handler(e.msg)
+            self.handling.add(time.monotonic() - started)
         except RetryLater as exc:
             log.info("leaving %s %s pending: %s", self.stream, e.entry_id.decode(), exc)
             return self._release(e)

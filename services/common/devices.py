@@ -3,6 +3,8 @@
 ``resolve`` turns a config's ``auto``/``cpu``/``cuda`` into a ``torch.device`` at a process's start
 and fails there, naming the config field, when ``cuda`` is asked for and torch sees no GPU.
 ``autocast`` is the trainer's mixed precision: float32 weights and optimizer, the passes in bfloat16.
+``training_precision`` keeps bfloat16 off a CPU without native bf16 arithmetic, where autocast was
+measured to slow a step several-fold (docs/results/data_plane_engine.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ def resolve(device: str, field: str = "device") -> torch.device:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{field}: {device!r} was asked for, but torch sees no GPU (torch {torch.__version__})")
     return torch.device(device)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (AVX512-BF16 or AMX, as oneDNN sees it)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def training_precision(device: torch.device, dtype: str) -> str:
+    """The passes' precision: ``dtype``, except float32 for bfloat16 on a CPU without native bf16."""
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_bf16():
+        return "float32"
+    return dtype
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -119,6 +119,24 @@ class DeviceConfig(Strict):
                                                               "trainer: autocast, weights and AdamW stay float32)")
 
 
+class EmbeddedConfig(DeviceConfig):
+    """The embedded engine: its device and dtype, and its prefix cache (services/inference/prefix_cache.py)."""
+
+    prefix_cache_mb: float = Field(256.0, ge=0, description="KV cache of finished sequences kept for later "
+                                   "prompts that extend them (an episode's next turn), least recently used "
+                                   "evicted first; 0 = every turn prefills its whole prompt")
+    step_delay_ms: float = Field(0.0, ge=0, le=60_000, description="a pause before every decode step: a "
+                                 "deliberately slow engine, for fault drills and tests; 0 in real runs")
+
+
+class TrainerConfig(DeviceConfig):
+    """The trainer: its device and precision, and activation checkpointing (torch backend)."""
+
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the "
+                                         "backward pass instead of keeping them: less activation memory, "
+                                         "about one more forward of compute")
+
+
 class LoraConfig(Strict):
     """LoRA adapters (torch backend, peft) on a frozen base; engines receive the merged weights."""
 

@@ -23,10 +23,12 @@ from services.contracts.agent_parts import (  # noqa: F401 (re-exported: the con
     PLUGIN_PATH,
     AlgorithmConfig,
     DeviceConfig,
+    EmbeddedConfig,
     LoraConfig,
     MegatronLayout,
     SGLangEngineConfig,
     Strict,
+    TrainerConfig,
 )
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted, cycle_roles, parse_role_map
@@ -72,8 +74,10 @@ class AgentConfig(Strict):
     engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig,
                                        description="engine: sglang: the launch_server arguments of each engine")
-    embedded: DeviceConfig = Field(default_factory=DeviceConfig, description="the embedded engine's device, dtype")
-    trainer: DeviceConfig = Field(default_factory=DeviceConfig, description="the trainer's device and precision")
+    embedded: EmbeddedConfig = Field(default_factory=EmbeddedConfig,
+                                     description="the embedded engine's device, dtype and prefix cache")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig,
+                                   description="the trainer's device, precision and activation checkpointing")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig,
                                        description="the training algorithm and its hyper-parameters")
     groups_per_batch: int = Field(4, ge=1, description="GRPO groups per training batch (one training step)")

@@ -5,6 +5,7 @@ from their owners, facts.py), ``on_control`` (control). Main loop (``Coordinator
 agent against the env's scripted opponents (evals.py); launch GRPO groups while the staleness gate allows
 (state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them; when every
 agent has loaded its last version, evaluate again, write the report and tell all services to stop.
+A group playing past ``run.group_timeout_s`` or 4 x the slowest recent one is abandoned.
 Restartable at any moment: ``restore`` rebuilds the run state at start from Redis (record.py: flags,
 evaluations, versions from their owners; ledger.py: every group); what arrived meanwhile waits in its groups.
 """
@@ -19,6 +20,7 @@ import time
 from typing import Any
 
 from services.common.bus import Bus
+from services.common.latency import LatencyWindow
 from services.common.reconnect import REDIS_DOWN
 from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
@@ -55,6 +57,7 @@ class Coordinator:
         self.version_paths: dict[str, dict[int, str]] = {a: {0: c.model_path} for a, c in cfg.agents.items()}
         self.pool_rng = random.Random(cfg.run.seed)
         self.reply_stream = bus.streams.replies(name)
+        self.group_seconds = LatencyWindow(size=32)  # how long groups took to play: the group timeout follows it
         self.pending: dict[str, asyncio.Future[GenerateReply]] = {}
         self.changed = asyncio.Condition()
         self.slots = asyncio.Semaphore(cfg.run.concurrent_episodes)
@@ -243,9 +246,10 @@ class Coordinator:
         agents = self.trained(roles)
         roles = self.resolve_pool(roles)
         emitted: set[str] = set()
-        timeout = self.cfg.run.group_timeout_s
+        timeout, started = self.group_seconds.bound(self.cfg.run.group_timeout_s), time.monotonic()
         try:
             done = await asyncio.wait_for(self.play_group(index, roles, group_id), timeout)
+            self.group_seconds.add(time.monotonic() - started)
             group_samples = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
                              for a in agents}
             samples = [sample for r in done for sample in r.samples(group_samples)]

@@ -1,9 +1,9 @@
 """CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N] [--agent A]
 [--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W] [--device D] [--dtype T]
-[--http H] [--loop L]`` serves the embedded engine with uvicorn (``auto``: httptools and uvloop where
-installed, else h11 and asyncio). Its admin routes need the token in ``$TANDEM_ADMIN_TOKEN``; with ``--agent A``
-it loads only versions A's trainer signed with the run's secret (``$TANDEM_WEIGHTS_SECRET``; the rollout's
-engines always get both: services/engine/server.py)."""
+[--prefix-cache-mb M] [--step-delay-ms S] [--http H] [--loop L]`` serves the embedded engine with uvicorn
+(``auto``: httptools and uvloop where installed, else h11 and asyncio). Its admin routes need the token in
+``$TANDEM_ADMIN_TOKEN``; with ``--agent A`` it loads only versions A's trainer signed with the run's secret
+(``$TANDEM_WEIGHTS_SECRET``; the rollout's engines always get both: services/engine/server.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (the agent's embedded.device); cuda needs a GPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                        help="KV cache kept for prompts that extend finished sequences (0: none)")
+    parser.add_argument("--step-delay-ms", type=float, default=0.0,
+                        help="pause before every decode step (a deliberately slow engine: drills, tests)")
     parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
                         help="uvicorn's HTTP parser")
     parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn's event loop")
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.admit_quiet_ms < 0 or args.admit_window_ms < 0:
         parser.error("--admit-quiet-ms and --admit-window-ms must be >= 0")
+    if args.prefix_cache_mb < 0 or args.step_delay_ms < 0:
+        parser.error("--prefix-cache-mb and --step-delay-ms must be >= 0")
     if args.switch_interval_ms <= 0:
         parser.error("--switch-interval-ms must be > 0")
     sys.setswitchinterval(args.switch_interval_ms / 1000)
@@ -63,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
                      engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
                      admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
-                     device=args.device, dtype=args.dtype, weights_secret=secret, agent=args.agent)
+                     device=args.device, dtype=args.dtype, weights_secret=secret, agent=args.agent,
+                     engine_options={"prefix_cache_mb": args.prefix_cache_mb,
+                                     "step_delay_s": args.step_delay_ms / 1000})
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_S, http=args.http, loop=args.loop)
 

@@ -1,7 +1,7 @@
 """The embedded engine's HTTP server: SGLang's native API (docs/architecture.md §5) over ``generator.Engine``.
 
 ``create_app(model_path, weight_version, max_batch, engine_id, admit_quiet_s, admit_window_s, admin_token,
-device, dtype)`` loads the model (on the CPU, or a GPU: ``embedded.device`` / ``embedded.dtype``)
+device, dtype, engine_options)`` loads the model (on the CPU, or a GPU: ``embedded.device`` / ``embedded.dtype``)
 and returns a FastAPI app serving ``/health``, ``/health_generate``,
 ``/get_model_info`` (+ ``/model_info``), ``/get_server_info`` (+ ``/server_info``),
 ``/get_load``, ``/generate``, ``/update_weights_from_disk``, ``/get_weight_version``,
@@ -16,7 +16,8 @@ body (``model``, ``log_metrics``, ``return_text_in_logprobs``...); those are
 accepted when they ask for nothing this engine lacks, any other unknown
 field is rejected. ``/generate`` itself (single and batch bodies, orjson in and out) is
 ``generate_api``; ``/get_server_info``'s ``internal_states`` carry the engine's counters
-(prefills, decode steps, requests that joined or left a running batch).
+(prefills, decode steps, requests that joined or left a running batch, prompt tokens prefilled and taken
+from the prefix cache, and the prefix cache's hits, misses, evictions and size).
 
 The admin routes (``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``) need the run's admin token as a bearer token
@@ -88,9 +89,11 @@ class Unauthorized(Exception):
 def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
                engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02,
                admin_token: str | None = None, device: str = "cpu", dtype: str = "float32",
-               weights_secret: bytes | None = None, agent: str | None = None) -> FastAPI:
+               weights_secret: bytes | None = None, agent: str | None = None,
+               engine_options: dict[str, Any] | None = None) -> FastAPI:
     engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch,
-                    admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s, device=device, dtype=dtype)
+                    admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s, device=device, dtype=dtype,
+                    **(engine_options or {}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
@@ -139,7 +142,9 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
                 "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
                 "disaggregation_mode": "null", "device": engine.device.type,
                 "dtype": str(engine.model.dtype).removeprefix("torch."),
-                "internal_states": [{"paused": engine.paused, **engine.load(), **engine.stats}]}
+                "internal_states": [{"paused": engine.paused, **engine.load(), **engine.stats,
+                                     "prefix_cache": {**engine.prefix.stats, "bytes": engine.prefix.nbytes,
+                                                      "entries": len(engine.prefix)}}]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -147,14 +152,16 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        # as SGLang: busy and making progress is healthy; "progress" follows the slowest recent step (a big
+        # prefill of a slow model may take longer than 5 s), and a step still running counts up to STEP_STALL_S
         now, started = time.monotonic(), engine.step_started_at
-        if engine.load()["num_reqs"] and (now - engine.last_step_at < 5.0 or (
+        if engine.load()["num_reqs"] and (now - engine.last_step_at < engine.step_seconds.bound(5.0) or (
                 started is not None and now - started < STEP_STALL_S)):
-            return Response(status_code=200)  # as SGLang: busy and making progress (a long prefill too) is healthy
+            return Response(status_code=200)
         req = GenRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[engine.pad_id], temperature=0.0,
                          max_new_tokens=1)
         try:
-            await asyncio.wait_for(engine.generate(req), timeout=30.0)
+            await asyncio.wait_for(engine.generate(req), timeout=engine.step_seconds.bound(30.0))
         except TimeoutError:
             return _bad("health generation timed out (engine paused or busy)", 503)
         return Response(status_code=200)
@@ -223,11 +230,11 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
     async def flush_cache() -> PlainTextResponse:
-        # As SGLang: not performed while requests run or wait. Nothing else to flush: a finished
-        # request's KV rows leave the batch with it (no prefix cache is kept across requests).
+        # As SGLang: not performed while requests run or wait; empties the prefix cache.
         busy = engine.load()["num_reqs"]
         if busy:
             return PlainTextResponse(f"Cache not flushed: {busy} request(s) running or waiting.\n", status_code=400)
+        await engine.run_op(engine.prefix.clear)
         return PlainTextResponse("Cache flushed.\n")
 
     async def _optional(request: Request, model: type[BaseModel]) -> Any:

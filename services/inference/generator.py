@@ -5,7 +5,8 @@ The worker thread owns the model and loops step by step. Each step it
 2. admits queued requests into the running batch (up to ``max_batch`` rows) once admission is due
    (below): their prompts are prefilled together (left-padded, explicit position ids) and their KV
    cache is merged into the running batch's cache (both left-padded to one length, all-padding
-   columns dropped);
+   columns dropped). The longest prefix of a prompt that the prefix cache holds (an episode's earlier turns:
+   ``prefix_cache.py``) is taken from it, so only the rest is prefilled; a finished row's KV goes to it;
 3. decodes one token for every running row, samples per row (temperature, top-p, top-k, its own
    seeded generator) and lets finished rows leave the batch (their cache rows are dropped).
 
@@ -41,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.devices import dtype_of, resolve
+from services.common.latency import LatencyWindow
 from services.inference.batch import RunningBatch
+from services.inference.prefix_cache import PrefixCache, prefill_inputs, row_kv, sequence_tokens
 from services.inference.request import Completion, EngineError, GenRequest, resolve_all
 from services.inference.sampling import sample
 from services.inference.weights import load_weights
@@ -62,7 +65,8 @@ class Engine:
 
     def __init__(self, model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
                  admit_quiet_s: float = 0.0, admit_window_s: float = 0.0, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", prefix_cache_mb: float = 0.0,
+                 step_delay_s: float = 0.0) -> None:
         torch.set_num_threads(1)
         self.model_path = str(model_path)
         self.device = resolve(device, "embedded.device")
@@ -79,20 +83,24 @@ class Engine:
         self.weight_version = int(weight_version)
         self.max_batch = max(1, int(max_batch))
         self.admit_quiet_s, self.admit_window_s = float(admit_quiet_s), float(admit_window_s)
+        self.step_delay_s = float(step_delay_s)  # a pause before each decode step: a deliberately slow engine
         self._cv = threading.Condition()
         self._queue: list[GenRequest] = []
         self._last_arrival = 0.0
         self._whole_call = False  # a call of several requests is queued: admit without waiting for more
         self._batch = RunningBatch()
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20))
         self._ops: list[_Op] = []
         self.paused = False
         self._stopped = False
         self.last_step_at = time.monotonic()
         self.step_started_at: float | None = None  # while the model thread is inside a step (a long prefill)
+        self.step_seconds = LatencyWindow()  # recent steps' durations (the health probe's patience follows them)
         # prefills; decode steps; requests that joined a running batch; that left while others ran on;
-        # seconds the model thread spent in steps (prefills, decodes, sampling: busy, not waiting for work)
+        # seconds the model thread spent in steps (prefills, decodes, sampling: busy, not waiting for work);
+        # prompt tokens fed to prefills, and taken from the prefix cache instead
         self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0,
-                                        "busy_s": 0.0}
+                                        "busy_s": 0.0, "prefill_tokens": 0, "cached_tokens": 0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -203,6 +211,7 @@ class Engine:
                 log.exception("step failed; aborting the %d running request(s)", len(self._batch.rows))
                 self._fail_all(f"engine error: {exc}", also=admit)
             self.stats["busy_s"] += time.perf_counter() - started
+            self.step_seconds.add(time.perf_counter() - started)
         self._fail_all("engine stopped")
 
     def _next_work(self) -> tuple[list[_Op], list[GenRequest], bool] | None:
@@ -272,10 +281,22 @@ class Engine:
     def _leave(self, idx: list[int]) -> None:
         if not idx:
             return
+        self._keep_prefixes(idx)
         with self._cv:
             left = self._batch.remove(idx)
             self.stats["left_running"] += len(left) if self._batch.rows else 0
         resolve_all(left)
+
+    def _keep_prefixes(self, idx: list[int]) -> None:
+        """Store the KV of rows that finished wholly on the current weights in the prefix cache."""
+        b = self._batch
+        for i in idx if self.prefix.enabled and b.cache is not None else []:
+            r = b.rows[i]
+            if r.aborted or r.version_events or r.weight_version != self.weight_version or not r.output_ids:
+                continue
+            kv, tokens = row_kv(b.cache, b.mask, i), sequence_tokens(r)
+            if kv and kv[0][0].shape[1] == len(tokens):
+                self.prefix.store(tokens, kv)
 
     def _step(self, admit: list[GenRequest]) -> None:
         self.step_started_at = time.monotonic()
@@ -291,6 +312,8 @@ class Engine:
         self._drop_aborted()
         if not self._batch.rows or self.paused:
             return
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         b = self._batch
         out = self.model(input_ids=b.last_tokens[:, None], attention_mask=b.decode_mask(),
                          position_ids=b.next_pos[:, None], past_key_values=b.cache, use_cache=True)
@@ -315,17 +338,13 @@ class Engine:
             with self._cv:
                 self._batch.joining = []
             return
-        width = max(len(r.input_ids) for r in live)
-        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(live), width), dtype=torch.long)
-        for i, r in enumerate(live):
-            ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids, dtype=torch.long)
-            mask[i, width - len(r.input_ids):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        p = prefill_inputs(live, self.prefix, self.pad_id, self.device)
         self.stats["prefills"] += 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        self.stats["prefill_tokens"] += sum(p.new)
+        self.stats["cached_tokens"] += sum(p.cached)
+        mask, pos = p.mask, p.pos
+        out = self.model(input_ids=p.ids, attention_mask=mask, position_ids=pos, past_key_values=p.cache,
+                         use_cache=True, logits_to_keep=1)  # the last position's logits only (the LM head's work)
         toks, lps = self._sample(out.logits[:, -1, :].float(), live)
         with self._cv:
             self.stats["joined_running"] += len(live) if self._batch.rows else 0
@@ -369,6 +388,7 @@ class Engine:
 
     def _load_weights(self, model_path: str, version: int | None) -> int:
         load_weights(self.model, model_path)
+        self.prefix.clear()
         self.weight_version = int(version) if version is not None else self.weight_version + 1
         log.info("loaded weights from %s as version %d", model_path, self.weight_version)
         return self.weight_version

@@ -21,7 +21,9 @@ def engine_command(acfg: AgentConfig, agent: str, index: int, port: int, host: s
         return [sys.executable, "-m", "services.engine", "--model-path", acfg.model_path, "--host", host,
                 "--port", str(port), "--engine-id", f"{agent}-{index}", "--agent", agent,
                 "--max-batch", str(acfg.max_inflight_per_engine),
-                "--device", acfg.embedded.device, "--dtype", acfg.embedded.dtype]
+                "--device", acfg.embedded.device, "--dtype", acfg.embedded.dtype,
+                "--prefix-cache-mb", str(acfg.embedded.prefix_cache_mb),
+                *(["--step-delay-ms", str(acfg.embedded.step_delay_ms)] if acfg.embedded.step_delay_ms else [])]
     sg = acfg.sglang
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", acfg.model_path, "--host", host,
             "--port", str(port), "--tp-size", str(sg.tp_size), "--mem-fraction-static", str(sg.mem_fraction_static),

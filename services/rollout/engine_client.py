@@ -12,6 +12,7 @@ token: the engines' admin routes and the router (its ``--api-key``) require it (
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -21,6 +22,7 @@ import orjson
 from pydantic import ValidationError
 
 from services.common.admin_token import bearer
+from services.common.latency import LatencyWindow
 from services.common.weights_auth import WeightsProof
 from services.contracts.messages import FinishReason
 from services.contracts.sglang_api import (
@@ -100,6 +102,8 @@ class EngineClient:
     def __init__(self, router_url: str, timeout: float = 300.0,
                  transport: httpx.AsyncBaseTransport | None = None, token: str | None = None) -> None:
         self.router_url = router_url.rstrip("/")
+        self.timeout = timeout  # a generate call's floor; it waits 4 x the slowest recent one when longer
+        self.latency = LatencyWindow()
         self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=bearer(token))
 
     async def __aenter__(self) -> EngineClient:
@@ -112,9 +116,11 @@ class EngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                    wait_s: float | None = None) -> httpx.Response:
         try:
-            return await self._http.post(url, json=body, headers=headers)
+            return await self._http.post(url, json=body, headers=headers,
+                                         **({"timeout": wait_s} if wait_s else {}))
         except httpx.HTTPError as exc:
             raise EngineClientError(f"POST {url} failed: {exc!r}") from exc
 
@@ -144,7 +150,11 @@ class EngineClient:
         return out
 
     async def _generate_call(self, body: dict[str, Any], rid: str) -> Any:
-        resp = await self._post(f"{self.router_url}/generate", body)
+        """Waits ``timeout`` or 4 x the slowest recent call: a slow engine's turn is not given up and sent again."""
+        started = time.monotonic()
+        resp = await self._post(f"{self.router_url}/generate", body, wait_s=self.latency.bound(self.timeout))
+        if resp.status_code == 200:
+            self.latency.add(time.monotonic() - started)
         if resp.status_code != 200:
             raise EngineClientError(f"generate {rid}: HTTP {resp.status_code}: {_error_message(resp)}",
                                     resp.status_code)

@@ -5,7 +5,8 @@
 before its own imports), waits for each engine's ``/health`` (asked every ``HEALTH_POLL_S``) and
 registers it with the router at run time (``POST /workers``). ``supervise()`` then checks every engine each
 ``interval`` seconds: a process that exited, or one whose ``/health_generate`` fails or does not
-answer within ``health_timeout`` seconds ``max_failures`` times in a row (hung), is deregistered
+answer within ``health_timeout`` seconds (or 4 x the slowest recent answer, when longer) ``max_failures``
+times in a row (hung), is deregistered
 (``DELETE /workers/{id}``: traffic moves to the healthy ones), killed and started again on its
 port; the latest weight version loaded on the fleet is applied to it before it is registered
 again. A router that exited is started again on its port, and every live engine is registered
@@ -29,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from services.common.latency import LatencyWindow
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
 from services.common.weights_auth import WeightsProof
 from services.contracts.config import AgentConfig
@@ -83,6 +85,7 @@ class EngineFleet:
         self._lock = asyncio.Lock()
         self.token = early.token  # the admin token of this run's engines and router
         self._http = httpx.AsyncClient(timeout=health_timeout)
+        self.probe_seconds = LatencyWindow()  # /health_generate answers: the health timeout follows them
         self._client = EngineClient(self.router_url, timeout=300.0, token=self.token)
 
     def _spawn(self, cmd: list[str]) -> Proc:
@@ -241,7 +244,12 @@ class EngineFleet:
             log.warning("engine %s died (exit code %s)", e.url, e.proc.returncode if e.proc else None)
             return False
         try:
-            ok = (await self._http.get(f"{e.url}/health_generate", timeout=self.health_timeout)).status_code == 200
+            started = time.monotonic()
+            probe = await self._http.get(f"{e.url}/health_generate",
+                                         timeout=self.probe_seconds.bound(self.health_timeout))
+            ok = probe.status_code == 200
+            if ok:
+                self.probe_seconds.add(time.monotonic() - started)
             load = (await self._http.get(f"{e.url}/get_load", timeout=2.0)).json()
             if isinstance(load, list) and load and isinstance(load[0], dict):
                 e.load = {k: int(v) for k, v in load[0].items() if k in ("num_reqs", "num_waiting_reqs", "num_tokens")}

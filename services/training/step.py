@@ -7,7 +7,8 @@ and minibatch:
 zero the grads, forward + loss + backward (``backward``; under bf16 autocast when ``precision``
 says so), clip (``clip_grads``), step the
 optimizer and the LR scheduler; it counts the version up and returns the ``train_step``
-metrics. A backend supplies the model-specific parts as the hooks below.
+metrics, with the step's activation, gradient and optimizer-state memory (memory.py). A backend supplies
+the model-specific parts as the hooks below.
 
 A step whose loss, gradient norm or updated weights are non-finite raises ``NonFiniteStep`` before
 the version is counted up; the optimizer may have stepped on earlier minibatches, so the caller
@@ -27,6 +28,7 @@ from services.common.devices import autocast
 from services.contracts.config import AlgorithmConfig
 from services.contracts.messages import Sample
 from services.training.algorithms import Algorithm, Stats, StepPlan, step_metrics
+from services.training.memory import ActivationMeter, memory_metrics
 from services.training.value import ValueBaseline
 
 Tensors = dict[str, torch.Tensor]
@@ -77,6 +79,7 @@ class TrainingStep(ABC):
     device: torch.device = torch.device("cpu")  # where the passes run
     precision: str = "float32"  # the agent's trainer.dtype: "bfloat16" autocasts the passes (weights stay float32)
     critic: ValueBaseline | None = None  # algorithm.baseline: value (value.py)
+    _meter: ActivationMeter | None = None
 
     def rows(self, minibatch: list[int]) -> list[int]:
         """The rows of a minibatch this process trains on (all of them, unless data-parallel)."""
@@ -111,8 +114,22 @@ class TrainingStep(ABC):
         params = getattr(self, "trainable", None) or [p for g in self.optimizer.param_groups for p in g["params"]]
         return all(bool(torch.isfinite(p).all()) for p in params)
 
+    def params(self) -> list[torch.Tensor]:
+        """Every weight of the policy, frozen ones too (the activation count leaves them out)."""
+        model = getattr(self, "model", None)
+        if isinstance(model, torch.nn.Module):
+            return list(model.parameters())
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def activation_meter(self) -> ActivationMeter:
+        if self._meter is None:
+            self._meter = ActivationMeter(self.params())
+        self._meter.reset()
+        return self._meter
+
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         start = time.perf_counter()
+        meter = self.activation_meter()
         plan = self.algo.prepare(samples, self.weight_version)
         rows = [self.rows(mb) for mb in plan.minibatches]
         batches = [{k: v.to(self.device) for k, v in pad_batch([plan.samples[i] for i in r], self.pad_id).items()}
@@ -127,7 +144,7 @@ class TrainingStep(ABC):
         for epoch in range(self.cfg.epochs if batches else 0):
             for k, r in enumerate(rows):
                 self.optimizer.zero_grad(set_to_none=True)
-                with autocast(self.device, self.precision):
+                with autocast(self.device, self.precision), meter.measure():
                     stats = self.backward(batches[k], plan, r, prox[k], ref[k])
                 grad_norms.append(self.clip_grads())
                 check_finite(stats, grad_norms[-1], f"epoch {epoch} minibatch {k}")
@@ -138,4 +155,6 @@ class TrainingStep(ABC):
             raise NonFiniteStep("non-finite weights after the optimizer step")
         self.weight_version += 1
         return {**step_metrics(parts, samples, plan, self.cfg, self.backend, self.scheduler.get_last_lr()[0],
-                               grad_norms, time.perf_counter() - start), **value_stats}
+                               grad_norms, time.perf_counter() - start), **value_stats,
+                **memory_metrics(meter, self.optimizer, [p for g in self.optimizer.param_groups for p in g["params"]],
+                                 self.device)}

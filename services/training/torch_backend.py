@@ -2,7 +2,8 @@
 
 Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
-``train_step`` with the configured algorithm (``services.training.algorithms``),
+``train_step`` with the configured algorithm (``services.training.algorithms``; activation checkpointing
+by ``trainer.gradient_checkpointing``),
 writes each version as an HF directory the engines load (merged, under LoRA), and
 saves / restores the full training state for resume.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import os
 import random
 import shutil
@@ -20,7 +22,7 @@ from types import ModuleType
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.devices import autocast, resolve, restore_rng, rng_states
+from services.common.devices import autocast, resolve, restore_rng, rng_states, training_precision
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
@@ -32,6 +34,7 @@ from services.training.value import ValueBaseline
 __all__ = ["TorchPolicy", "pad_batch", "replace_dir"]
 
 STATE_FILE = "trainer_state.pt"
+log = logging.getLogger("tandem.trainer")
 
 
 def lora() -> ModuleType:
@@ -59,8 +62,14 @@ class TorchPolicy(TrainingStep):
         self.weight_version = 0
         self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
         self.device = resolve(acfg.trainer.device, "trainer.device")
-        self.precision = acfg.trainer.dtype
+        self.precision = training_precision(self.device, acfg.trainer.dtype)
+        if self.precision != acfg.trainer.dtype:
+            log.warning("trainer.dtype: bfloat16 autocast is slower than float32 on a CPU without native bf16 "
+                        "(AVX512-BF16/AMX); training in float32")
         base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32).to(self.device)
+        if acfg.trainer.gradient_checkpointing:  # recompute each layer's activations in the backward pass
+            base.config.use_cache = False
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.reference: torch.nn.Module | None = None
         if acfg.lora is not None:
             self.model: torch.nn.Module = lora().add_adapters(base, acfg.lora)  # reference = adapters disabled

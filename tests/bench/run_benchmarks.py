@@ -6,7 +6,9 @@ Figures are ratios measured side by side in one run where it matters; ``machine.
 1-minute load when the run started) says how busy the shared box was. The engine's headline is
 ``engine.ratio_vs_batched_generate`` (per concurrency; see ``bench_engine``). ``bench_system`` returns
 whole sections (``system.step_time_ratio_vs_in_process``, ``startup.first_turn_s``,
-``async.step_rate_ratio``), merged at the top level. ``seconds`` gives each benchmark's wall time and the
+``async.step_rate_ratio``), merged at the top level; ``bench_engine_llm`` and ``bench_trainer_llm`` add the
+real-model figures to ``engine.*`` and ``trainer.*`` (each runnable alone: ``python tests/bench/bench_engine_llm.py``).
+``seconds`` gives each benchmark's wall time and the
 total (docs/architecture.md §9).
 """
 
@@ -24,10 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_engine",
-              "trainer": "tests.bench.bench_trainer",
+              "engine_llm": "tests.bench.bench_engine_llm",
+              "trainer": "tests.bench.bench_trainer", "trainer_llm": "tests.bench.bench_trainer_llm",
               "bus": "tests.bench.bench_bus", "tinker_api": "tests.bench.bench_tinker",
               "durability": "tests.bench.durability_cost", "system": "tests.bench.bench_system"}
-SECTIONS = {"system"}  # these return top-level sections, not figures under their own name
+# these return top-level sections, not figures under their own name (merged into a section already there)
+SECTIONS = {"system", "engine_llm", "trainer_llm"}
 
 
 def main() -> None:
@@ -42,7 +46,9 @@ def main() -> None:
         figures = importlib.import_module(module).run()
         seconds[name] = round(time.perf_counter() - t0, 1)
         if name in SECTIONS:
-            results.update(figures)
+            for key, value in figures.items():
+                section = results.get(key)
+                results[key] = {**section, **value} if isinstance(section, dict) and isinstance(value, dict) else value
         else:
             results[name] = figures
     results["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
