@@ -26,7 +26,7 @@ from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
-from services.coordinator import evals, failures, play_archive, train_play
+from services.coordinator import evals, failures, learning_signal, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.ledger import GroupLedger, horizons
 from services.coordinator.record import RunRecord, restore_run
@@ -66,6 +66,7 @@ class Coordinator:
         self.group_tasks: set[asyncio.Task[None]] = set()
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
+        self.signal = learning_signal.SignalWatch(cfg)  # steps without learning signal
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
         self.ledger = GroupLedger(bus, list(self.state.agents), cfg.run_dir(), horizons(cfg))
         self.run_record = RunRecord(bus, cfg.run.checkpoint_root)
@@ -134,6 +135,7 @@ class Coordinator:
             agent.train_steps.append({**finite(ev.metrics), "weight_version": ev.weight_version,
                                       "batch_weight_version": ev.batch_weight_version,
                                       "time": ev.created_at})  # once per version (re-sends)
+            self.signal.check(self.state, ev.agent)  # no learning signal: warn, stop at the limit
         elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
             agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
             for g in ev.group_ids:  # replaced by new groups; the buffer releases a batch in its place

@@ -83,10 +83,12 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
     async def step(self, role: str, reply: str) -> StepResult:
         self.check_turn(role)
         self.replies[role] = last_int(reply)
+        info: dict[str, Any] = {"answer": self.replies[role]} | (
+            {"malformed": reply[:40]} if self.replies[role] is None else {})
         if role == "first":
-            return StepResult(done=False, info={"answer": self.replies[role]})
+            return StepResult(done=False, info=info)
         return StepResult(done=True, rewards={r: self._reward(self.replies[r]) for r in self.roles},
-                          info={"answer": self.replies[role], "truth": self.answer})
+                          info={**info, "truth": self.answer})
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if player == "correct":
