@@ -42,28 +42,31 @@ from services.play.local import EnginePlayers  # noqa: E402
 
 ENVS = ("twenty_questions", "answer_then_answer", "debate", "doctor_patient", "support_desk", "explore_exploit",
         "guess_number", "math", "code")
+OVERRIDES: dict[str, dict[str, Any]] = {}  # --set ENV.PARAM=VALUE: fewer turns for a quicker table
+CHAT_TOKENS = {"code": 96}  # a chat model's function in a fence needs more than the demo config's limit
 
 
-def setup(name: str) -> tuple[EnvironmentConfig, dict[str, Player], dict[str, int]]:
+def setup(name: str, min_tokens: int = 0) -> tuple[EnvironmentConfig, dict[str, Player], dict[str, int]]:
     """The environment's config, its roles with every agent replaced by the model (one player per role, named
-    after it, all on the one engine), each model role's token limit."""
+    after it, all on the one engine), each model role's token limit: the config's (set for the tiny demo
+    model), at least ``min_tokens`` (``CHAT_TOKENS`` for the environments whose replies are longer)."""
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
-    env = cfg.environment
+    env = cfg.environment.model_copy(update={"params": {**cfg.environment.params, **OVERRIDES.get(name, {})}})
     roles: dict[str, Player] = {}
     tokens: dict[str, int] = {}
     for role, player in env.roles.items():
         if isinstance(player, AgentPlayer):
             roles[role] = AgentPlayer(agent=role)
-            tokens[role] = cfg.agents[player.agent].sampling.max_new_tokens
+            tokens[role] = max(cfg.agents[player.agent].sampling.max_new_tokens, min_tokens, CHAT_TOKENS.get(name, 0))
         else:
             roles[role] = player
     return env, roles, tokens
 
 
-async def play(players: EnginePlayers, name: str, seed: int, copies: int, temperature: float,
+async def play(players: EnginePlayers, name: str, seed: int, copies: int, temperature: float, min_tokens: int,
                ) -> list[EpisodeResult]:
     """``copies`` episodes of one seed (a group at temperature 1, one greedy episode at 0), played at once."""
-    env_cfg, roles, tokens = setup(name)
+    env_cfg, roles, tokens = setup(name, min_tokens)
     cls = load_environment(env_cfg.name)
     envs = cls.make_group(env_cfg.params, seed, copies)
 
@@ -85,14 +88,17 @@ def role_stats(results: list[EpisodeResult], role: str) -> dict[str, Any]:
             "mean_reward": sum(rewards) / len(rewards) if rewards else None}
 
 
-async def measure(players: EnginePlayers, name: str, greedy: int, groups: int, size: int) -> dict[str, Any]:
-    env_cfg, roles, tokens = setup(name)
+async def measure(players: EnginePlayers, name: str, greedy: int, groups: int, size: int, min_tokens: int,
+                  ) -> dict[str, Any]:
+    env_cfg, roles, tokens = setup(name, min_tokens)
     cls = load_environment(env_cfg.name)
     model_roles = [r for r, p in roles.items() if not isinstance(p, Scripted)]
-    t0 = time.time()
-    g = [ep for seed in range(greedy) for ep in await play(players, name, 10_000 + seed, 1, 0.0)]
+    t0 = time.time()  # every episode of a pass at once: the engine batches their turns
+    g = [ep for eps in await asyncio.gather(*(play(players, name, 10_000 + i, 1, 0.0, min_tokens)
+                                              for i in range(greedy))) for ep in eps]
     t1 = time.time()
-    grouped = [await play(players, name, 20_000 + k, size, 1.0) for k in range(groups)]
+    grouped = list(await asyncio.gather(*(play(players, name, 20_000 + k, size, 1.0, min_tokens)
+                                          for k in range(groups))))
     t2 = time.time()
     s = [ep for grp in grouped for ep in grp]
     out: dict[str, Any] = {"env": name, "roles": {}, "greedy_s": round(t1 - t0, 1), "sampled_s": round(t2 - t1, 1),
@@ -134,7 +140,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for name in args.envs.split(","):
             players = EnginePlayers({r: engine for r in setup(name)[2]})  # every model role on the one engine
-            row = await measure(players, name, args.greedy, args.groups, args.group_size)
+            row = await measure(players, name, args.greedy, args.groups, args.group_size, args.min_tokens)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -149,12 +155,21 @@ def main() -> None:
     p.add_argument("--greedy", type=int, default=8, help="greedy episodes per environment")
     p.add_argument("--groups", type=int, default=4, help="sampled groups per environment")
     p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--min-tokens", type=int, default=16, help="each model role's max_new_tokens at least this")
     p.add_argument("--out", default=str(REPO / "build" / "start_table.json"))
+    p.add_argument("--set", action="append", default=[], metavar="ENV.PARAM=INT",
+                   help="an environment parameter over its config's, e.g. twenty_questions.max_questions=4")
     args = p.parse_args()
+    for item in args.set:
+        key, _, value = item.partition("=")
+        env, _, param = key.partition(".")
+        OVERRIDES.setdefault(env, {})[param] = int(value)
     rows = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "greedy": args.greedy, "groups": args.groups,
-                                          "group_size": args.group_size, "rows": rows}, indent=1))
+                                          "group_size": args.group_size, "min_tokens": args.min_tokens,
+                                          "overrides": OVERRIDES,
+                                          "rows": rows}, indent=1))
     print(markdown(rows))
 
 
