@@ -76,9 +76,12 @@ def test_numbers_are_read_from_the_last_integer() -> None:
     assert "malformed" in step(env, "I will guess a number.").info
     assert "1 to 100" in (env.system_prompt("guesser") or "")
     env = AnswerThenAnswer({"ops": "+"}, 5)
+    assert env.observation("first") == f"What is {env.question.rstrip('=')}?"
     step(env, f"{env.question.rstrip('=')} = {env.answer}")
+    assert env.observation("second").endswith(f"The first player answered: {env.answer}. What is your answer?")
     r = step(env, "no idea")
     assert r.rewards == {"first": 1.0, "second": -0.5}
+    assert AnswerThenAnswer({"ops": "+", "terse": True}, 5).observation("first") == env.question  # the demo's "3+4="
 
 
 def test_doctor_reads_an_action_inside_a_sentence() -> None:

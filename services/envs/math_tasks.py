@@ -40,11 +40,11 @@ def make_math_task(rng: random.Random, kinds: list[str], n: int) -> MathTask:
     if kind == "arith":
         a, b, c = rng.randint(1, n), rng.randint(1, n), rng.randint(0, n)
         answer = a * b + c
-        prompt = f"{a}*{b}+{c}=?"
+        prompt = f"What is {a}*{b}+{c}?"
     else:
         a, x, b = rng.randint(2, max(2, n)), rng.randint(-n, n), rng.randint(0, n)
         answer = x
-        prompt = f"{a}x+{b}={a * x + b}. x=?"
+        prompt = f"Solve {a}x+{b}={a * x + b}. What is x?"
     return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
 
 
