@@ -27,7 +27,7 @@ from services.envs.base import Environment, StepResult
 from services.envs.params import ChatParams, EnvParams
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a number: "1-16" is 1 and 16
 
 
 def last_int(reply: str) -> int | None:

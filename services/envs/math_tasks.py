@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 KINDS = ("arith", "linear")
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a number: "1-16" is 1 and 16
 
 
 @dataclass
