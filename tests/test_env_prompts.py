@@ -13,7 +13,7 @@ from services.envs.base import EnvParamError
 from services.envs.code_tasks import extract_program
 from services.envs.doctor_patient import DoctorPatient, parse_action
 from services.envs.explore_exploit import ExploreExploit
-from services.envs.guess_number import GuessNumber
+from services.envs.guess_number import GuessNumber, last_int
 from services.envs.registry import BUILTINS, load_environment
 from services.envs.support_desk import parse_action as desk_action
 from services.envs.support_desk import parse_claim
@@ -74,11 +74,15 @@ def test_numbers_are_read_from_the_last_integer() -> None:
     assert r.done and r.rewards == {"guesser": 1.0}
     env = GuessNumber({"low": 1, "high": 100}, 3)
     assert "malformed" in step(env, "I will guess a number.").info
+    assert last_int("1-16 is the range") == 16 and last_int("so x = -4.") == -4 and last_int("5-3 = 2") == 2
     assert "1 to 100" in (env.system_prompt("guesser") or "")
     env = AnswerThenAnswer({"ops": "+"}, 5)
+    assert env.observation("first") == f"What is {env.question.rstrip('=')}?"
     step(env, f"{env.question.rstrip('=')} = {env.answer}")
+    assert env.observation("second").endswith(f"The first player answered: {env.answer}. What is your answer?")
     r = step(env, "no idea")
     assert r.rewards == {"first": 1.0, "second": -0.5}
+    assert AnswerThenAnswer({"ops": "+", "terse": True}, 5).observation("first") == env.question  # the demo's "3+4="
 
 
 def test_doctor_reads_an_action_inside_a_sentence() -> None:

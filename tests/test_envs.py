@@ -154,7 +154,7 @@ def test_answer_then_answer_rewards(first: str, second: str, expected: tuple[flo
 
 
 def test_answer_then_answer_second_sees_first_and_unparseable_is_penalised() -> None:
-    env = AnswerThenAnswer({"max_operand": 5, "ops": "+"}, 2)
+    env = AnswerThenAnswer({"max_operand": 5, "ops": "+", "terse": True}, 2)
     assert "+" in env.observation("first")
     assert not step(env, "no idea").done
     assert "A:(no answer)" in env.observation("second")

@@ -1,21 +1,16 @@
 """Prometheus series for Tandem, declared and exposed with ``prometheus_client``.
 
-Two kinds of registry:
+Two kinds of registry (the values read off an event's ``data`` are read in one place, ``event_values``):
 
-* **per process** (the default registry, served on every service's health port,
-  ``GET /metrics``): the bus's dead letters and handler counts and latency per
-  stream, plus prometheus_client's process, platform and GC collectors;
-* **per run** (``RunMetrics``, served by the coordinator's control API at
-  ``GET /metrics``): the series an operator needs per agent, derived at each
-  scrape from the coordinator's run state (which folds in every event it
-  receives), its episode records, its evaluations and the dead-letter stream:
-  among them the illegal or format-failure rate of the agent's training
-  episodes and, per eval opponent, the latest score, its standard error and
-  illegal rate; and the staleness gates: which agent's gate holds the next
-  group back now, the groups and seconds each gate held back, and whose
-  gate held back each agent's groups (docs/architecture.md §4).
-
-Values read off an event's ``data`` are read in one place, ``event_values``.
+* **per process** (the default registry, on every service's health port, ``GET /metrics``): the bus's dead
+  letters, handler counts and latency per stream, and prometheus_client's process, platform and GC collectors;
+* **per run** (``RunMetrics``, served by the coordinator's control API at ``GET /metrics``): the series an
+  operator needs per agent, derived at each scrape from the coordinator's run state (which folds in every event
+  it receives), its episode records, its evaluations and the dead-letter stream: among them the illegal or
+  format-failure rate of the agent's training episodes, the last step's learning signal (zero-variance groups,
+  malformed samples) and, per eval opponent, the latest score, its standard error and illegal rate; and the
+  staleness gates: which agent's gate holds the next group back now, the groups and seconds each gate held
+  back, and whose gate held back each agent's groups (docs/architecture.md §4).
 """
 
 from __future__ import annotations
@@ -87,7 +82,8 @@ def event_values(kind: str, data: Mapping[str, Any]) -> dict[str, float]:
     """The numbers the series take from one event's data (``train_step`` and ``rollout_load``).
 
     The run state keeps these events' data (``AgentState.train_steps``, ``AgentState.rollout``)."""
-    keys = {"train_step": ("train_seconds", "tokens_per_s", "reward_mean", "stale_frac", "weight_version"),
+    keys = {"train_step": ("train_seconds", "tokens_per_s", "reward_mean", "stale_frac", "weight_version",
+                           "zero_variance_groups", "malformed_rate"),
             "rollout_load": ("queue_depth", "inflight", "capacity", "waiting")}.get(kind, ())
     out = {}
     for k in keys:
@@ -264,6 +260,7 @@ class RunMetrics(Collector):
                       "group_reward": sum(recent) / len(recent) if recent else None,
                       "train_reward": last.get("reward_mean"), "train_stale_fraction": last.get("stale_frac"),
                       "train_tokens_per_second": last.get("tokens_per_s"),
+                      **{f"train_{k}": last.get(k) for k in ("zero_variance_groups", "malformed_rate")},
                       "generation_tokens_per_second": self._tokens_per_s.get(name, 0.0)}
             for k, v in values.items():
                 if v is not None:
@@ -328,6 +325,8 @@ GAUGES = {
     "train_reward": "Mean reward of the last trained batch",
     "train_stale_fraction": "Fraction of the last batch older than the trainer's weights",
     "train_tokens_per_second": "Tokens per second of the last train step",
+    "train_zero_variance_groups": "Share of the last trained batch's groups with all rewards equal (no signal)",
+    "train_malformed_rate": "Share of the last trained batch's samples with an illegal or malformed reply",
     "generation_tokens_per_second": f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s of scrapes",
     "train_illegal_rate": f"Fraction of the agent's newest training episodes (at least {RECENT_PLAY}, by weight "
                           "version) with an illegal or malformed reply of its own",

@@ -98,6 +98,10 @@ class AgentConfig(Strict):
     train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
     max_nonfinite_steps: int = Field(3, ge=1, description="the trainer stops after this many training steps in a "
                                      "row skipped for a non-finite loss, gradient or weight")
+    max_no_signal_steps: int = Field(10, ge=0, description="the run stops (an error, a non-zero exit) after this "
+                                     "many training steps in a row with no learning signal: every group of the "
+                                     "batch had equal rewards (zero variance), so every advantage was 0; the first "
+                                     "such step is warned of; 0: never stop")
 
     @field_validator("sampling", mode="before")
     @classmethod

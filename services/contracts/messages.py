@@ -146,6 +146,8 @@ class Sample(Message):
         default_factory=list, description="per generated turn (each run of 1s in loss_mask, in order), what that "
         "turn earned: the environment's per-turn rewards to this role from it until the role's next turn, the "
         "last turn also the final reward; they sum to reward. Empty: the episode's reward only (algorithm.credit)")
+    malformed_turns: int = Field(0, ge=0, description="this view's replies that the environment found illegal or "
+                                 "malformed (its step info); the trainer reports the batch's share of such samples")
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.coordinator.learning_signal import signal_status
 from services.coordinator.state import RunState
 from services.coordinator.train_play import curve, totals
 
@@ -67,6 +68,9 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
             "eval_curves": eval_curves(evals, name),
             "train_illegal_rate": totals(a.train_play).report()["illegal_rate"],
             "train_illegal_rate_last": play[-1]["illegal_rate"] if play else None,
+            "signal": signal_status(a.train_steps),
+            "signal_per_step": [{k: s.get(k) for k in ("weight_version", "zero_variance_groups", "malformed_rate")}
+                                for s in a.train_steps],
             "train_play": play,
             "groups_kept": a.kept_groups,
             "groups_dropped": a.dropped_groups,

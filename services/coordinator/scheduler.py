@@ -26,7 +26,7 @@ from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
-from services.coordinator import evals, failures, play_archive, train_play
+from services.coordinator import evals, failures, learning_signal, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.facts import OwnerFacts
 from services.coordinator.ledger import GroupLedger, horizons
@@ -66,6 +66,7 @@ class Coordinator:
         self.group_tasks: set[asyncio.Task[None]] = set()
         self.eval_task: asyncio.Task[dict[str, float]] | None = None
         self.empty_streak: dict[str, int] = {}
+        self.signal = learning_signal.SignalWatch(cfg)  # steps without learning signal
         self.engines_ready: set[str] = set()  # agents whose rollout reports a healthy engine
         self.ledger = GroupLedger(bus, list(self.state.agents), cfg.run_dir(), horizons(cfg))
         self.run_record = RunRecord(bus, cfg.run.checkpoint_root)
@@ -135,6 +136,7 @@ class Coordinator:
         elif ev.kind == "train_step" and all(t.get("weight_version") != ev.weight_version for t in agent.train_steps):
             entry = train_step_entry(await self.facts.train_step(ev))  # the committed record's metrics
             agent.train_steps.append({**finite(entry), "time": ev.created_at})  # once per version (re-sends)
+            self.signal.check(self.state, ev.agent)  # no learning signal: warn, stop at the limit
         elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
             await self.facts.skipped(ev)  # the trainer's record of the skip, else Reject
             agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.config import TandemConfig
+from services.coordinator.learning_signal import signal_status
 from services.coordinator.train_play import PlayCounts, recent
 
 
@@ -230,6 +231,7 @@ class RunState:
                 "max_staleness": a.max_staleness,
                 "skipped_steps": a.skipped_steps,
                 "illegal_rate": recent(a.train_play).report()["illegal_rate"],  # the newest training episodes'
+                "signal": signal_status(a.train_steps),  # the last step's zero-variance share, malformed rate
                 "rollout": a.rollout,
                 "gate": self.gate_status(a),
             }

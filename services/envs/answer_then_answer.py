@@ -1,7 +1,9 @@
 """Answer then answer: A answers an arithmetic question, then B sees A's answer and answers.
 
 The MinT multi-agent recipe's pattern. The question ``a <op> b`` is drawn
-from the seed (operands 0..``max_operand``, ops from ``ops``).
+from the seed (operands 0..``max_operand``, ops from ``ops``), asked as a chat model reads it ("What is
+3+4?"; the second role also sees the first answer), or with ``terse`` as the tiny demo model was trained
+("3+4=", "3+4= A:7 You:").
 
 Rewards, each role on its own answer: +1 right, 0 wrong, ``-format_penalty``
 when the reply holds no integer (the last integer in the reply counts: "3 + 4 = 7" answers 7). An
@@ -25,7 +27,7 @@ from services.envs.base import Environment, StepResult
 from services.envs.params import ChatParams, EnvParams
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a number: "1-16" is 1 and 16
 
 
 def last_int(reply: str) -> int | None:
@@ -38,6 +40,8 @@ class AnswerThenAnswerParams(ChatParams):
     max_operand: int = Field(9, ge=1, le=10**6)
     ops: str = Field("+-*", description="the operators questions draw from")
     format_penalty: float = Field(0.5, ge=0.0, le=10.0)
+    terse: bool = Field(False, description="the tiny demo model's terse questions ('3+4=', then '3+4= A:7 You:'); "
+                        "false: a chat model's ('What is 3+4?', then the question and the first answer in words)")
 
     @field_validator("ops")
     @classmethod
@@ -57,8 +61,8 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
     summary_measures: ClassVar[tuple[str, ...] | None] = ("first_right", "second_right", "copied")
     default_system: ClassVar[dict[str, str]] = {
         "first": "You are a calculator. Reply with only the number, nothing else.",
-        "second": ("You are a calculator. You see a question and another player's answer after 'A:', which may be "
-                   "wrong. Reply with only the right number, nothing else."),
+        "second": ("You are a calculator. You see a question and another player's answer, which may be wrong. "
+                   "Reply with only the right number, nothing else."),
     }
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
@@ -72,10 +76,12 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
         return "first" if "first" not in self.replies else "second"
 
     def observation(self, role: str) -> str:
-        if role == "first":
-            return self.question
         first = self.replies.get("first")
-        return f"{self.question} A:{'(no answer)' if first is None else first} You:"
+        said = "(no answer)" if first is None else str(first)
+        if self.params.terse:
+            return self.question if role == "first" else f"{self.question} A:{said} You:"
+        asked = f"What is {self.question.rstrip('=')}?"
+        return asked if role == "first" else f"{asked} The first player answered: {said}. What is your answer?"
 
     def _reward(self, value: int | None) -> float:
         return -self.params.format_penalty if value is None else float(value == self.answer)

@@ -126,7 +126,7 @@ class Debate(Environment[DebateParams]):
         win = {"pro": 1.0, "con": -1.0} if self.verdict == "pro" else {"pro": -1.0, "con": 1.0} \
             if self.verdict == "con" else {"pro": 0.0, "con": 0.0}
         return StepResult(done=True, rewards={**win, "judge": judge},
-                          info={"verdict": self.verdict, "parsed": bool(m)})
+                          info={"verdict": self.verdict, "parsed": bool(m)} | ({} if m else {"malformed": reply[:40]}))
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if player == "rules":

@@ -167,8 +167,8 @@ class DoctorPatient(Environment[DoctorPatientParams]):
             r = {"consistent": p.answer_reward, "contradicts": -p.answer_reward, "incomplete": 0.0,
                  "unchecked": 0.0, "empty": -p.format_penalty}[verdict] - (p.leak_penalty if leaked else 0.0)
             self.to_act = "doctor"
-            return self.turn_result({"patient": r}, {"verdict": verdict, "leaked": leaked},
-                                    out_of_turns=self.doctor_turns >= p.max_turns)
+            info = {"verdict": verdict, "leaked": leaked} | ({"malformed": ""} if verdict == "empty" else {})
+            return self.turn_result({"patient": r}, info, out_of_turns=self.doctor_turns >= p.max_turns)
         self.doctor_turns += 1
         verb, word = parse_action(reply) or ("", "")
         if verb == "diagnose" and word in DIAGNOSES:

@@ -40,7 +40,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from services.envs.base import Environment, StepResult
 from services.envs.params import SHAPING, ChatParams, EnvParams
 
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a number: "1-16" is 1 and 16
 
 
 def last_int(reply: str) -> int | None:

@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 KINDS = ("arith", "linear")
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a number: "1-16" is 1 and 16
 
 
 @dataclass
@@ -40,11 +40,11 @@ def make_math_task(rng: random.Random, kinds: list[str], n: int) -> MathTask:
     if kind == "arith":
         a, b, c = rng.randint(1, n), rng.randint(1, n), rng.randint(0, n)
         answer = a * b + c
-        prompt = f"{a}*{b}+{c}=?"
+        prompt = f"What is {a}*{b}+{c}?"
     else:
         a, x, b = rng.randint(2, max(2, n)), rng.randint(-n, n), rng.randint(0, n)
         answer = x
-        prompt = f"{a}x+{b}={a * x + b}. x=?"
+        prompt = f"Solve {a}x+{b}={a * x + b}. What is x?"
     return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
 
 

@@ -140,8 +140,8 @@ class SupportDesk(Environment[SupportDeskParams]):
         self.final: tuple[str, int | None] | None = None  # the action that closed the ticket
         self.by: str | None = None  # who closed it
         self.format_failures = dict.fromkeys(self.roles, 0)
-        self.customer_note = (f"You are the customer: {STORIES[self.issue]} (order ${self.amount}). Tell support "
-                              f"the issue ({'/'.join(sorted(ISSUES))}) and the amount.")
+        self.customer_note = (f"Write your message to support. What happened: {STORIES[self.issue]}; the order cost "
+                              f"${self.amount}. Name the issue ({'/'.join(sorted(ISSUES))}) and the amount.")
 
     # --- ground truth -------------------------------------------------------
     def correct(self) -> tuple[str, int | None]:

@@ -59,6 +59,11 @@ class CriticParams(EnvParams):
 VP = TypeVar("VP", bound=VerifiableParams)
 
 
+def graded(score: float | None, reply: str) -> dict[str, Any]:
+    """A step's info for a graded reply: its score, and ``malformed`` when it could not be parsed."""
+    return {"score": score} | ({"malformed": reply[:40]} if score is None else {})
+
+
 class _Verifiable(Environment[VP]):
     scripted_players: ClassVar[tuple[str, ...]] = ("oracle", "wrong", "yes")
     scripted_roles: ClassVar[dict[str, tuple[str, ...]]] = {"wrong": ("solver",), "yes": ("critic",)}
@@ -116,7 +121,7 @@ class SolveEnv(_Verifiable):
         score = await self.grade(reply)
         self.replies.append((role, reply))
         self.scores.append(score)
-        return StepResult(done=True, rewards={"solver": self._solver_reward(score)}, info={"score": score})
+        return StepResult(done=True, rewards={"solver": self._solver_reward(score)}, info=graded(score, reply))
 
 
 class SolveCriticEnv(_Verifiable):
@@ -148,15 +153,16 @@ class SolveCriticEnv(_Verifiable):
             score = await self.grade(reply)
             self.scores.append(score)
             if len(self.replies) == 1:
-                return StepResult(done=False, info={"score": score})
+                return StepResult(done=False, info=graded(score, reply))
             return StepResult(done=True, rewards={"solver": self._solver_reward(score), "critic": self.critic},
-                              info={"score": score})
+                              info=graded(score, reply))
         m = VERDICT.search(reply)
         if m is None:
             self.critic = -self.params.format_penalty
         else:
             self.critic = 1.0 if (m.group(1).lower() == "correct") == (self.scores[0] == 1.0) else -1.0
+        info: dict[str, Any] = {"verdict": m and m.group(1)} | ({} if m else {"malformed": reply[:40]})
         if not self.params.revise:
             return StepResult(done=True, rewards={"solver": self._solver_reward(self.scores[0]),
-                                                  "critic": self.critic}, info={"verdict": m and m.group(1)})
-        return StepResult(done=False, info={"verdict": m and m.group(1)})
+                                                  "critic": self.critic}, info=info)
+        return StepResult(done=False, info=info)

@@ -66,8 +66,8 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
     table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
                         f"{status.get('phase') if status else 'starting'} — ETA {eta}",
                   caption="\n".join(caption) or None)
-    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "illegal", "eval start",
-                "eval end", "episodes/s"):
+    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "illegal", "signal",
+                "eval start", "eval end", "episodes/s"):
         table.add_column(col)
     if status:
         for name, a in status["agents"].items():
@@ -76,9 +76,17 @@ def status_table(status: dict | None, restarts: dict[str, int] | None = None,
             table.add_row(name, f"{a['step']}/{status['total_steps']}", "-" if rate is None else f"{rate:.2f}",
                           fmt_duration(progress.eta_s(name, a["step"], status["total_steps"])),
                           str(a["weight_version"]), fmt(a["recent_group_reward"]), fmt(a.get("illegal_rate")),
-                          fmt(a["eval_start"]),
+                          signal_cell(a.get("signal") or {}), fmt(a["eval_start"]),
                           fmt(a["eval_end"]), f"{status['episodes_per_s']:.2f}")
     return table
+
+
+def signal_cell(signal: dict) -> str:
+    """The last step's learning signal: zero-variance groups / malformed samples, and a streak without signal."""
+    zero, bad, none = signal.get("zero_variance_groups"), signal.get("malformed_rate"), signal.get("no_signal_steps")
+    if zero is None:
+        return "-"
+    return f"zv {zero:.2f} bad {bad or 0.0:.2f}" + (f" [red]none x{none}[/red]" if none else "")
 
 
 def latest_eval(status: dict) -> str:
@@ -287,6 +295,8 @@ def report(run_dir: Path, code: int, restarts: dict[str, int], console: Console)
                 console.print(f"[yellow]the run finished but lost episodes: {lost} (summary.json episodes_failed, "
                               f"the coordinator's log says why); exit {LOST_EPISODES}[/yellow]", soft_wrap=True)
                 code = LOST_EPISODES
+        if code and summary.get("error"):  # the run failed for good: say why (the coordinator's message)
+            console.print(f"[red]the run failed: {summary['error']}[/red]", soft_wrap=True)
     if any(restarts.values()):
         console.print("restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()) if v))
     return code

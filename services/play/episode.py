@@ -89,6 +89,7 @@ class EpisodeResult:
                 rollout_logprobs=view.rollout_logprobs, reward=reward,
                 weight_versions=view.weight_versions, engines=view.engines, reply_ids=view.reply_ids,
                 turn_rewards=credit if len(credit) == len(turn_spans(view.loss_mask)) else [],
+                malformed_turns=self.replies(role)[1],
             ))
         return out
 
@@ -230,8 +231,9 @@ def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> li
 def format_failure(info: Mapping[str, Any]) -> str | None:
     """Why a step's reply was illegal or malformed (its ``info``'s ``FORMAT_FAILURE_KEYS``), or None."""
     for key in FORMAT_FAILURE_KEYS:
-        if info.get(key):
-            return f"{key}: {info[key]}"[:80]
+        value = info.get(key)
+        if value is not None and value is not False:  # present: its text may be empty (an empty reply)
+            return f"{key}: {value if value != '' else '(empty reply)'}"[:80]
     return None
 
 

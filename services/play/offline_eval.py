@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for agent, r in report["agents"].items():
         for opponent, s in r["vs"].items():
             roles = " ".join(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in s["per_role"].items())
-            print(f"{agent} vs {opponent}: score {fmt_report(s)}  ({roles}; {s['episodes']} episodes, "
-                  f"{r['checkpoint']})")
+            head = f"score {fmt_report(s)}  ({roles}; " if s.get("game", True) else f"{fmt_report(s)}  ("
+            print(f"{agent} vs {opponent}: {head}{s['episodes']} episodes, {r['checkpoint']})")
     out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -42,6 +42,7 @@ from services.common.weights_auth import run_secret, sign
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Batch, Control, Sample, TrainStep, TrainStepSkipped, WeightsUpdate
 from services.training.backends import Policy
+from services.training.signal import learning_signal
 from services.training.step import NonFiniteStep
 
 KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
@@ -169,7 +170,7 @@ class TrainerService:
     async def train(self, batch: Batch, fresh: list[Sample]) -> None:
         new_version = self.weight_version + 1
         try:
-            metrics = await asyncio.to_thread(self.policy.train_step, fresh)
+            metrics = {**await asyncio.to_thread(self.policy.train_step, fresh), **learning_signal(fresh)}
             failpoint("after_train", new_version)
             path, checksum = await asyncio.to_thread(self.policy.save, self.ckpt_dir / f"v{new_version:05d}")
             await asyncio.to_thread(self.policy.save_state, self.state_dir(new_version), new_version)
@@ -198,8 +199,9 @@ class TrainerService:
         await asyncio.to_thread(tidy_states, self.state_root, new_version)
         await self.announce(record)
         await self.spill()
-        self.log.info("step %d: reward %.3f loss %.4f clip %.3f (%d samples, %.2fs)", new_version,
-                      metrics["reward_mean"], metrics.get("loss", 0.0), metrics["clip_frac"], len(fresh),
+        self.log.info("step %d: reward %.3f loss %.4f clip %.3f zero-variance groups %.2f malformed %.2f (%d samples, "
+                      "%.2fs)", new_version, metrics["reward_mean"], metrics.get("loss", 0.0), metrics["clip_frac"],
+                      metrics.get("zero_variance_groups", 0.0), metrics.get("malformed_rate", 0.0), len(fresh),
                       metrics["train_seconds"])
 
     async def skip(self, batch: Batch, fresh: list[Sample], reason: str) -> None:

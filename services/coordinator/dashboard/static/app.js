@@ -59,6 +59,26 @@ function kv(label, value, cls) {
   return d;
 }
 
+// the last train step's learning signal: zero-variance groups, malformed samples, steps in a row without signal
+function signalRow(sig) {
+  const f = v => (typeof v === "number" ? v.toFixed(2) : "-");
+  if (!sig) return kv("learning signal", "-");
+  const none = sig.no_signal_steps || 0;
+  return kv("learning signal", `zero-variance groups ${f(sig.zero_variance_groups)} · malformed ${f(sig.malformed_rate)}` +
+    (none ? ` · NO SIGNAL for ${none} step(s)` : ""), none ? "warn" : "");
+}
+
+// a game: the win/draw/loss score at the start and end; otherwise the environment's own measures, latest eval
+function evalRow(st, name, a) {
+  const ev = [...(st.evals || [])].reverse().find(e => (e.details || {})[name]);
+  const r = ev ? ev.details[name] : null;
+  if (r && r.game === false) {
+    const means = Object.entries(r.summary_means || {}).map(([k, v]) => `${k} ${v.toFixed(3)}`).join(" · ");
+    return kv(`eval (${ev.label})`, means || "-");
+  }
+  return kv("eval start → end", `${a.eval_start === null ? "-" : a.eval_start.toFixed(3)} → ${a.eval_end === null ? "-" : a.eval_end.toFixed(3)}`);
+}
+
 function drawAgents(st, pipe) {
   const box = document.getElementById("agents");
   const cards = Object.entries(st.agents).map(([name, a]) => {
@@ -78,7 +98,7 @@ function drawAgents(st, pipe) {
       kv("queue depth", ro.queue_depth ?? "-"), kv("in-flight turns", `${ro.inflight ?? "-"} / ${ro.capacity ?? "-"}` +
         (ro.waiting ? ` (${ro.waiting} waiting)` : "")),
       kv("recent reward", a.recent_group_reward === null ? "-" : a.recent_group_reward.toFixed(3)),
-      kv("eval start → end", `${a.eval_start === null ? "-" : a.eval_start.toFixed(3)} → ${a.eval_end === null ? "-" : a.eval_end.toFixed(3)}`));
+      signalRow(a.signal), evalRow(st, name, a));
     const engines = document.createElement("table");
     engines.className = "grid engines";
     engines.innerHTML = "<thead><tr><th>engine</th><th>health</th><th>weights</th><th>restarts</th></tr></thead>";
