@@ -77,4 +77,5 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     app.include_router(routes.model_routes(svc))
     app.include_router(routes.training_routes(svc))
     app.include_router(routes.sampling_routes(svc))
+    app.include_router(routes.unserved_routes(svc))  # last: it matches every path
     return app

@@ -31,6 +31,10 @@ class UserError(ValueError):
     """A request the service cannot serve as given; answered with category ``user``."""
 
 
+class Conflict(UserError):
+    """A ``seq_id`` already recorded with a different body: refused, the recorded request stands."""
+
+
 def check_loss(loss_fn: str, config: dict[str, float | str]) -> dict[str, float]:
     """The loss's numeric config with defaults; a UserError naming the field otherwise."""
     if loss_fn not in LOSS_INPUTS:

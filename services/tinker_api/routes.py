@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.tinker_api import wire
 from services.tinker_api.config import ServeConfig
-from services.tinker_api.losses import UserError
+from services.tinker_api.losses import Conflict, UserError
 from services.tinker_api.service import JSON, PROTO, TinkerService
 
 M = TypeVar("M", bound=BaseModel)
@@ -42,6 +42,18 @@ def parse(model: type[M], body: bytes) -> M:
 
 def user_error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": message, "detail": message, "category": "user"}, status_code=status)
+
+
+async def submitted(svc: TinkerService, kind: str, body: bytes, proto: bool, submit: Any) -> dict[str, Any]:
+    """Run ``submit()``; a request it refuses still takes its ``seq_id`` (as a failed operation), so the
+    model's later requests are not left waiting behind it; the refusal is then raised as usual."""
+    try:
+        return await submit()
+    except UserError as exc:
+        ref = wire.sequence_ref(body, proto)
+        if ref is not None and not isinstance(exc, Conflict):
+            await svc.refuse_op(kind, ref[0], ref[1], body, PROTO if proto else JSON, str(exc))
+        raise
 
 
 def service_routes(cfg: ServeConfig, svc: Svc) -> APIRouter:
@@ -148,14 +160,18 @@ def model_routes(svc: Svc) -> APIRouter:
     @r.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await request.body()
-        req = parse(wire.LoadWeights, body)
-        if req.model_id is not None:
-            if req.seq_id is None or req.seq_id < 1:
-                raise UserError("seq_id: a load into a model needs its seq_id (1 or more)")
-            rid = await svc().submit_op("load_weights", req.model_id, req.seq_id, body)
-            return {"request_id": rid, "model_id": req.model_id}
-        rid, model_id = await svc().load_create(req)
-        return {"request_id": rid, "model_id": model_id}
+
+        async def submit() -> dict[str, Any]:
+            req = parse(wire.LoadWeights, body)
+            if req.model_id is not None:
+                if req.seq_id is None or req.seq_id < 1:
+                    raise UserError("seq_id: a load into a model needs its seq_id (1 or more)")
+                rid = await svc().submit_op("load_weights", req.model_id, req.seq_id, body)
+                return {"request_id": rid, "model_id": req.model_id}
+            rid, model_id = await svc().load_create(req)
+            return {"request_id": rid, "model_id": model_id}
+
+        return await submitted(svc(), "load_weights", body, False, submit)
 
     return r
 
@@ -171,17 +187,25 @@ def training_routes(svc: Svc) -> APIRouter:
             import zstandard
 
             body = zstandard.ZstdDecompressor().decompress(body)
-        model_id, seq, _, _, _, _ = wire.decode_forward_backward(body)
-        if seq < 1:
-            raise UserError("seq_id: must be 1 or more")
-        rid = await svc().submit_op("forward_backward", model_id, seq, body, PROTO)
-        return {"request_id": rid, "model_id": model_id}
+
+        async def submit() -> dict[str, Any]:
+            model_id, seq, _, _, _, _ = wire.decode_forward_backward(body)
+            if seq < 1:
+                raise UserError("seq_id: must be 1 or more")
+            rid = await svc().submit_op("forward_backward", model_id, seq, body, PROTO)
+            return {"request_id": rid, "model_id": model_id}
+
+        return await submitted(svc(), "forward_backward", body, True, submit)
 
     async def model_op(kind: str, request: Request, model: type[M]) -> dict[str, Any]:
         body = await request.body()
-        req: Any = parse(model, body)
-        rid = await svc().submit_op(kind, req.model_id, req.seq_id, body)
-        return {"request_id": rid, "model_id": req.model_id}
+
+        async def submit() -> dict[str, Any]:
+            req: Any = parse(model, body)
+            rid = await svc().submit_op(kind, req.model_id, req.seq_id, body)
+            return {"request_id": rid, "model_id": req.model_id}
+
+        return await submitted(svc(), kind, body, False, submit)
 
     @r.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -240,5 +264,22 @@ def sampling_routes(svc: Svc) -> APIRouter:
         if rec.get("state") == b"pending":
             return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
         return Response(rec["result"], media_type=rec.get("rctype", JSON.encode()).decode())
+
+    return r
+
+
+def unserved_routes(svc: Svc) -> APIRouter:
+    """Any other path: a 404 in the SDK's error shape; a model operation sent there still takes its seq_id."""
+    r = APIRouter()
+
+    @r.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def unserved(path: str, request: Request) -> JSONResponse:
+        message = f"{request.method} /{path} is not served by this Tandem server"
+        if request.method != "GET":
+            body = await request.body()
+            ref = wire.sequence_ref(body, request.headers.get("content-type", "").startswith(PROTO))
+            if ref is not None:
+                await svc().refuse_op(f"unserved:/{path}", ref[0], ref[1], body, JSON, message)
+        return user_error(message, 404)
 
     return r

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from services.tinker_api import wire
-from services.tinker_api.losses import UserError
+from services.tinker_api.losses import Conflict, UserError
 from services.tinker_api.sampler import SamplerPool, sample
-from services.tinker_api.store import Store
+from services.tinker_api.store import CONFLICT, NEW, Store
 from services.tinker_api.workshop import Workshop, check_name
 
 log = logging.getLogger("tandem.tinker_api")
@@ -101,10 +101,26 @@ class TinkerService:
         """Record a model operation (after the model's creation) and wake its runner."""
         if seq != 0 and await self.store.op_at(model_id, 0) is None:
             raise UserError(f"model_id: unknown model {model_id!r}")
-        rid, _ = await self.store.submit(kind, model_id, seq, body, ctype)
+        rid, outcome = await self.store.submit(kind, model_id, seq, body, ctype)
+        if outcome == CONFLICT:
+            raise Conflict(f"seq_id: {seq} of model {model_id} was already submitted with a different body "
+                           "(conflict: the first request stands)")
         self.ensure_runner(model_id)
         self._wake.setdefault(model_id, asyncio.Event()).set()
         return rid
+
+    async def refuse_op(self, kind: str, model_id: str, seq: int, body: bytes, ctype: str, message: str) -> bool:
+        """A request refused at submission takes its ``seq_id`` as a failed operation, so the model's runner
+        goes on to the next one; False when there is no such model or the ``seq_id`` is taken already."""
+        if seq < 1 or await self.store.op_at(model_id, 0) is None:
+            return False
+        error = _json({"error": message, "category": "user"})
+        _, outcome = await self.store.submit(kind, model_id, seq, body, ctype, refused=error)
+        if outcome != NEW:
+            return False
+        self.ensure_runner(model_id)
+        self._wake.setdefault(model_id, asyncio.Event()).set()
+        return True
 
     async def create_model(self, req: wire.CreateModel) -> tuple[str, str]:
         if await self.store.get("session", req.session_id) is None:
@@ -140,8 +156,11 @@ class TinkerService:
         else:
             await self.sampler_weights(req.base_model, req.model_path)  # validates before recording
             scope, seq = "direct", time.time_ns()
-        rid, created = await self.store.submit("sample", scope, int(seq), body, JSON)
-        if created:
+        rid, outcome = await self.store.submit("sample", scope, int(seq), body, JSON)
+        if outcome == CONFLICT:
+            raise Conflict(f"seq_id: {seq} of sampling session {scope} was already submitted with a different "
+                           "body (conflict: the first request stands)")
+        if outcome == NEW:
             self._spawn(self._run_sample(rid, await self.store.request(rid) or {}))
         return rid, [f"{rid}/{i}" for i in range(req.num_samples)]
 

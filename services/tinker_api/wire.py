@@ -8,6 +8,7 @@ the service reads (unknown fields are ignored, so newer SDKs keep working).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -171,13 +172,39 @@ def _tensor(msg: Any, where: str) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(shape) if shape else arr)
 
 
-def decode_forward_backward(body: bytes) -> tuple[str, int, str, dict[str, float | str], list[Datum], bool]:
-    """(model_id, seq_id, loss_fn, loss_fn_config, data, forward_only) from the protobuf body."""
+def parse_forward_backward(body: bytes) -> Any:
+    """The ForwardBackwardRequest protobuf, not yet checked; a UserError if the body is not one."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
         raise UserError(f"forward_backward: body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    return msg
+
+
+def sequence_ref(body: bytes, proto: bool) -> tuple[str, int] | None:
+    """(model_id, seq_id) a request names, read as leniently as possible (for recording a refusal)."""
+    if proto:
+        try:
+            msg = parse_forward_backward(body)
+        except UserError:
+            return None
+        return (msg.model_id, int(msg.seq_id)) if msg.model_id else None
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    model_id, seq = doc.get("model_id"), doc.get("seq_id")
+    if isinstance(model_id, str) and isinstance(seq, int) and not isinstance(seq, bool):
+        return model_id, seq
+    return None
+
+
+def decode_forward_backward(body: bytes) -> tuple[str, int, str, dict[str, float | str], list[Datum], bool]:
+    """(model_id, seq_id, loss_fn, loss_fn_config, data, forward_only) from the protobuf body."""
+    msg = parse_forward_backward(body)
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
