@@ -1,4 +1,8 @@
-"""``python -m services.tinker_api [CONFIG] [--host H] [--port N]``: serve the Tinker API until stopped."""
+"""``python -m services.tinker_api [CONFIG] [--host H] [--port N]``: serve the Tinker API until stopped.
+
+``python -m services.tinker_api export TINKER_PATH DIR [CONFIG] [--data-dir D]`` (``tandem serve export``)
+copies a checkpoint out of the data directory for an operator, without a running server.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,39 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
 
 from services.common.embedded_redis import EmbeddedRedis
 from services.tinker_api.app import create_app
+from services.tinker_api.checkpoints import export
 from services.tinker_api.config import ConfigFileError, load_serve_config
+from services.tinker_api.losses import UserError
+
+
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem serve export", description="Copy a checkpoint out of the "
+                                     "server's data directory (a training state becomes a PEFT adapter).")
+    parser.add_argument("tinker_path", help="tinker://MODEL_ID/{weights|sampler_weights|external_weights}/NAME")
+    parser.add_argument("out_dir", help="where to write it (must be empty or absent)")
+    parser.add_argument("config", nargs="?", help="the server's YAML (for its data_dir)")
+    parser.add_argument("--data-dir", help="the server's data directory (default: the config's, or runs/tinker)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_serve_config(args.config)
+        out = export(Path(args.data_dir or cfg.data_dir), args.tinker_path, Path(args.out_dir))
+    except (ConfigFileError, UserError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tandem serve", description="Serve the Tinker training API on Tandem.")
     parser.add_argument("config", nargs="?", help="YAML with a tinker_api section (optional)")
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")

@@ -21,11 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from services.tinker_api import routes
 from services.tinker_api.config import ServeConfig
 from services.tinker_api.losses import UserError
+from services.tinker_api.rest_routes import FILES_PREFIX, rest_routes
 from services.tinker_api.routes import user_error
 from services.tinker_api.service import TinkerService
 from services.tinker_api.store import Store
 
 OPEN_PATHS = ("/api/v1/healthz", "/health")
+SIGNED_PREFIX = FILES_PREFIX  # a signed file URL carries its own credential
 
 
 def install_guards(app: FastAPI, api_keys: list[str]) -> None:
@@ -33,7 +35,7 @@ def install_guards(app: FastAPI, api_keys: list[str]) -> None:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        open_path = request.url.path in OPEN_PATHS
+        open_path = request.url.path in OPEN_PATHS or request.url.path.startswith(SIGNED_PREFIX)
         given = (request.headers.get("x-api-key") or "").encode()
         if api_keys and not open_path and not any(hmac.compare_digest(given, k.encode()) for k in api_keys):
             return user_error("X-API-Key: missing or not one of this server's API keys", 401)
@@ -77,5 +79,6 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     app.include_router(routes.model_routes(svc))
     app.include_router(routes.training_routes(svc))
     app.include_router(routes.sampling_routes(svc))
+    app.include_router(rest_routes(svc))
     app.include_router(routes.unserved_routes(svc))  # last: it matches every path
     return app

@@ -11,7 +11,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -147,16 +146,6 @@ def model_routes(svc: Svc) -> APIRouter:
         return {"type": "get_info", "model_id": req.model_id, "is_lora": True, "lora_rank": spec["rank"],
                 "model_name": base, "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": base}}
 
-    @r.get("/api/v1/training_runs/{model_id}")
-    async def training_run(model_id: str) -> Any:  # the cookbook reads a checkpoint's renderer name here
-        spec = await svc().store.get("model", model_id)
-        if spec is None:
-            return user_error(f"training_run_id: unknown training run {model_id!r}", 404)
-        created = datetime.fromtimestamp(spec.get("created", 0.0), UTC).isoformat()
-        return {"training_run_id": model_id, "base_model": spec["base_model"], "model_owner": spec["session_id"],
-                "is_lora": True, "lora_rank": spec["rank"], "last_request_time": created,
-                "user_metadata": {k: str(v) for k, v in (spec.get("user_metadata") or {}).items()}}
-
     @r.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await request.body()
@@ -218,6 +207,10 @@ def training_routes(svc: Svc) -> APIRouter:
     @r.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         return await model_op("save_for_sampler", request, wire.SaveWeights)
+
+    @r.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        return await model_op("save_external", request, wire.SaveExternal)
 
     return r
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.tinker_api import wire
+from services.tinker_api.checkpoints import UrlSigner
 from services.tinker_api.losses import Conflict, UserError
 from services.tinker_api.sampler import SamplerPool, sample
 from services.tinker_api.store import CONFLICT, NEW, Store
@@ -32,7 +33,7 @@ from services.tinker_api.workshop import Workshop, check_name
 log = logging.getLogger("tandem.tinker_api")
 JSON = "application/json"
 PROTO = "application/x-protobuf"
-NO_REPLAY = {"save_weights", "save_for_sampler"}
+NO_REPLAY = {"save_weights", "save_for_sampler", "save_external"}
 
 
 def _base_dir(base_model: str) -> str:
@@ -50,6 +51,7 @@ class TinkerService:
         self.store = store
         self.workshop = Workshop(data_dir, device)
         self.samplers = SamplerPool(sampler_capacity)
+        self.signer = UrlSigner(data_dir)
         self.trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -282,6 +284,8 @@ class TinkerService:
             return _json({"model_id": model_id, "type": "create_model"}), JSON
         if kind in ("load_create", "load_weights"):
             return await self._load(kind, model_id, wire.LoadWeights.model_validate_json(body))
+        if kind == "save_external":
+            return await self._save_external(model_id, wire.SaveExternal.model_validate_json(body))
         req = wire.SaveWeights.model_validate_json(body)
         spec = await self.store.get("model", model_id) or {}
         if kind == "save_weights":
@@ -298,6 +302,13 @@ class TinkerService:
                                                   "model_path": path, "session_id": spec["session_id"]})
             result["sampling_session_id"] = sid
         return _json(result), JSON
+
+    async def _save_external(self, model_id: str, req: wire.SaveExternal) -> tuple[bytes, str]:
+        spec = await self.store.get("model", model_id) or {}
+        path, size = await self._train(self.workshop.save_external, model_id, check_name(req.path),
+                                       spec["base_model"], req.age_encryption_recipients)
+        await self.store.set_expiry(path, None if req.ttl_seconds is None else time.time() + req.ttl_seconds)
+        return _json({"path": path, "size_bytes": size, "type": "save_weights_external"}), JSON
 
     async def _load(self, kind: str, model_id: str, req: wire.LoadWeights) -> tuple[bytes, str]:
         if kind == "load_create":

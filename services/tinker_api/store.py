@@ -12,6 +12,7 @@
 * ``tk:model:{model_id}`` / ``tk:sampler:{sampling_session_id}`` / ``tk:session:{id}``
   (hashes of JSON fields): what each is, so they can be rebuilt after a restart.
 * ``tk:pending`` (set): requests without a result yet (a restart runs them).
+* ``tk:expiry`` (hash tinker path -> epoch seconds): the checkpoints saved or set with a TTL.
 """
 
 from __future__ import annotations
@@ -117,6 +118,21 @@ class Store:
     async def field(self, kind: str, key: str, field: str) -> str | None:
         raw = await self.redis.hget(f"tk:{kind}:{key}", field)
         return raw.decode() if raw is not None else None
+
+    async def set_expiry(self, tinker_path: str, at: float | None) -> None:
+        """A checkpoint's expiry (epoch seconds; None: kept for good), in ``tk:expiry``."""
+        if at is None:
+            await self.redis.hdel("tk:expiry", tinker_path)
+        else:
+            await self.redis.hset("tk:expiry", tinker_path, str(at))
+
+    async def expiries(self) -> dict[str, float]:
+        return {k.decode(): float(v) for k, v in (await self.redis.hgetall("tk:expiry")).items()}
+
+    async def names(self, kind: str) -> list[str]:
+        """The keys of every ``tk:{kind}:*`` record (a SCAN)."""
+        prefix = f"tk:{kind}:"
+        return sorted([k.decode()[len(prefix):] async for k in self.redis.scan_iter(match=prefix + "*", count=500)])
 
     async def count(self, name: str, n: int = 1) -> int:
         return int(await self.redis.hincrby("tk:telemetry", name, n))

@@ -82,6 +82,22 @@ class SaveWeights(Body):
     kind: str = "snapshot"
 
 
+class SaveExternal(Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str
+    ttl_seconds: int | None = Field(None, ge=1)
+    age_encryption_recipients: list[str] | None = Field(None, max_length=10)
+
+
+class CheckpointTtl(Body):
+    ttl_seconds: int | None = Field(None, ge=1)
+
+
+class WeightsInfoRequest(Body):
+    tinker_path: str
+
+
 class LoadWeights(Body):
     model_id: str | None = None
     seq_id: int | None = None
