@@ -10,6 +10,7 @@ in ``routes.py``, one router per group.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.tinker_api import routes
 from services.tinker_api.config import ServeConfig
+from services.tinker_api.lifetimes import Reaper
 from services.tinker_api.losses import UserError
 from services.tinker_api.rest_routes import FILES_PREFIX, rest_routes
 from services.tinker_api.routes import user_error
@@ -62,9 +64,12 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
         svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache, cfg.resolved_device())
         app.state.svc = svc
         await svc.recover()
+        reaper = asyncio.create_task(Reaper(svc, cfg.session_idle_s, cfg.sampler_idle_s, cfg.reap_every_s).run())
         try:
             yield
         finally:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
             await svc.close()
             await store.close()
 

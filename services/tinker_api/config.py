@@ -29,6 +29,11 @@ class ServeConfig(BaseModel):
     base_models: list[str] = Field(default_factory=list, description="listed in capabilities (any local "
                                                                       "model directory is served)")
     sampler_cache: int = Field(4, ge=1, description="engines (weights snapshots) kept loaded, LRU")
+    session_idle_s: float = Field(300.0, gt=0, description="a session without a heartbeat this long is finished "
+                                                          "(the SDK sends one every 10 s)")
+    sampler_idle_s: float = Field(600.0, gt=0, description="an ephemeral sampler snapshot unused this long is "
+                                                          "deleted (each model's newest is kept)")
+    reap_every_s: float = Field(30.0, gt=0, description="how often idle sessions and snapshots are looked for")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the trainer's device; auto = cuda if present")
 
     def resolved_device(self) -> str:

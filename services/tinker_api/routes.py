@@ -67,7 +67,7 @@ def service_routes(cfg: ServeConfig, svc: Svc) -> APIRouter:
     @r.get("/health")
     async def health() -> dict[str, Any]:  # what Tandem's container HEALTHCHECK and probes ask
         await svc().store.ping()
-        return {"service": "tinker_api", "ok": True}
+        return {"service": "tinker_api", "ok": True, **svc().loaded()}
 
     @r.get("/api/v1/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
@@ -103,7 +103,7 @@ def session_routes(svc: Svc) -> APIRouter:
         req = parse(wire.CreateSession, await request.body())
         sid = uuid.uuid4().hex
         await svc().store.put("session", sid, {"tags": req.tags, "user_metadata": req.user_metadata,
-                                               "sdk_version": req.sdk_version})
+                                               "sdk_version": req.sdk_version, "created": time.time()})
         return {"type": "create_session", "session_id": sid}
 
     @r.post("/api/v1/session_heartbeat")

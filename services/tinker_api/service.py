@@ -52,6 +52,7 @@ class TinkerService:
         self.workshop = Workshop(data_dir, device)
         self.samplers = SamplerPool(sampler_capacity)
         self.signer = UrlSigner(data_dir)
+        self.sampler_used: dict[str, float] = {}  # sampling session -> when it last sampled (for the reaper)
         self.trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -86,6 +87,10 @@ class TinkerService:
 
     async def _train(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, fn, *args)
+
+    def loaded(self) -> dict[str, int]:
+        """What this process holds now: training clients in memory, sampler engines loaded."""
+        return {"models_loaded": len(self.workshop.clients), "engines_loaded": len(self.samplers.loaded())}
 
     async def finish_session(self, session_id: str) -> int:
         """A finished session's models leave memory, its ephemeral snapshots the disk (named checkpoints and
@@ -155,6 +160,7 @@ class TinkerService:
             if await self.store.get("sampler", req.sampling_session_id) is None:
                 raise UserError(f"sampling_session_id: unknown sampling session {req.sampling_session_id!r}")
             scope, seq = req.sampling_session_id, req.seq_id if req.seq_id is not None else time.time_ns()
+            self.sampler_used[scope] = time.time()
         else:
             await self.sampler_weights(req.base_model, req.model_path)  # validates before recording
             scope, seq = "direct", time.time_ns()
@@ -213,7 +219,7 @@ class TinkerService:
         weights, base = await self.sampler_weights(req.base_model, req.model_path)
         sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         await self.store.put("sampler", sid, {"weights": weights, "base_model": base, "model_path": req.model_path,
-                                              "session_id": req.session_id}, only_new=True)
+                                              "session_id": req.session_id, "created": time.time()}, only_new=True)
         return sid
 
     async def _run_sample(self, rid: str, req: dict[str, bytes]) -> None:
@@ -299,7 +305,8 @@ class TinkerService:
         if req.sampling_session_seq_id is not None:
             sid = f"{spec['session_id']}:sample:{req.sampling_session_seq_id}"
             await self.store.put("sampler", sid, {"weights": str(out), "base_model": spec["base_model"],
-                                                  "model_path": path, "session_id": spec["session_id"]})
+                                                  "model_path": path, "session_id": spec["session_id"],
+                                                  "created": time.time()})
             result["sampling_session_id"] = sid
         return _json(result), JSON
 
