@@ -48,7 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8910)")
     parser.add_argument("--data-dir", help="checkpoints, snapshots, embedded Redis (default runs/tinker)")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                        help="serve the local model DIR under the hub name NAME (repeatable)")
     args = parser.parse_args(argv)
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            print(f"--model: {item!r} is not NAME=DIR", file=sys.stderr)
+            return 2
+        if not (Path(path) / "config.json").is_file():
+            print(f"--model {name}: {path} is not a local model directory (no config.json)", file=sys.stderr)
+            return 2
     try:
         cfg = load_serve_config(args.config)
     except ConfigFileError as exc:
@@ -58,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.port = cfg.port if args.port is None else args.port
     if args.data_dir:
         cfg.data_dir = type(cfg.data_dir)(args.data_dir)
+    cfg.models.update({n: Path(p).resolve() for n, p in (m.split("=", 1) for m in args.model)})
     cfg.data_dir = cfg.data_dir.resolve()  # engines and snapshots are keyed by absolute paths
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

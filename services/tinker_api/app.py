@@ -61,7 +61,7 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(redis_url)
         await store.ping()
-        svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache, cfg.resolved_device())
+        svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache, cfg.resolved_device(), cfg.models)
         app.state.svc = svc
         await svc.recover()
         reaper = asyncio.create_task(Reaper(svc, cfg.session_idle_s, cfg.sampler_idle_s, cfg.reap_every_s).run())

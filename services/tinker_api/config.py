@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.contracts.config import ConfigError, with_password
 
@@ -28,6 +28,8 @@ class ServeConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values; empty = open")
     base_models: list[str] = Field(default_factory=list, description="listed in capabilities (any local "
                                                                       "model directory is served)")
+    models: dict[str, Path] = Field(default_factory=dict, description="hub names served from local model "
+                                                                      "directories (NAME: DIR)")
     sampler_cache: int = Field(4, ge=1, description="engines (weights snapshots) kept loaded, LRU")
     session_idle_s: float = Field(300.0, gt=0, description="a session without a heartbeat this long is finished "
                                                           "(the SDK sends one every 10 s)")
@@ -35,6 +37,14 @@ class ServeConfig(BaseModel):
                                                           "deleted (each model's newest is kept)")
     reap_every_s: float = Field(30.0, gt=0, description="how often idle sessions and snapshots are looked for")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the trainer's device; auto = cuda if present")
+
+    @field_validator("models")
+    @classmethod
+    def _model_dirs(cls, models: dict[str, Path]) -> dict[str, Path]:
+        for name, path in models.items():
+            if not (Path(path) / "config.json").is_file():
+                raise ValueError(f"{name}: {path} is not a local model directory (no config.json)")
+        return {name: Path(path).resolve() for name, path in models.items()}
 
     def resolved_device(self) -> str:
         import torch

@@ -71,7 +71,7 @@ def service_routes(cfg: ServeConfig, svc: Svc) -> APIRouter:
 
     @r.get("/api/v1/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        names = sorted({*cfg.base_models, *(h.path for h in svc().workshop.hosts.values())})
+        names = sorted({*cfg.models, *cfg.base_models, *(h.path for h in svc().workshop.hosts.values())})
         return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True} for n in names]}
 
     @r.post("/api/v1/client/config")
@@ -143,8 +143,12 @@ def model_routes(svc: Svc) -> APIRouter:
         if spec is None:
             raise UserError(f"model_id: unknown model {req.model_id!r}")
         base = spec["base_model"]
+        try:  # the SDK loads its tokenizer from tokenizer_id: the local directory, also under a hub name
+            tokenizer = svc().local_dir(base)
+        except UserError:
+            tokenizer = base
         return {"type": "get_info", "model_id": req.model_id, "is_lora": True, "lora_rank": spec["rank"],
-                "model_name": base, "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": base}}
+                "model_name": base, "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": tokenizer}}
 
     @r.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:

@@ -36,9 +36,13 @@ PROTO = "application/x-protobuf"
 NO_REPLAY = {"save_weights", "save_for_sampler", "save_external"}
 
 
-def _base_dir(base_model: str) -> str:
+def model_dir(base_model: str, models: dict[str, Path]) -> str:
+    """The local directory of a base model: a served hub name (``tandem serve --model NAME=DIR``) or a directory."""
+    if base_model in models:
+        return str(models[base_model])
     if not (Path(base_model) / "config.json").is_file():
-        raise UserError(f"base_model: {base_model!r} is not a local model directory (no config.json)")
+        served = f" nor one of the served names {sorted(models)}" if models else ""
+        raise UserError(f"base_model: {base_model!r} is not a local model directory (no config.json){served}")
     return str(Path(base_model).resolve())
 
 
@@ -47,9 +51,11 @@ def _json(obj: Any) -> bytes:
 
 
 class TinkerService:
-    def __init__(self, store: Store, data_dir: Path, sampler_capacity: int = 4, device: str = "cpu") -> None:
+    def __init__(self, store: Store, data_dir: Path, sampler_capacity: int = 4, device: str = "cpu",
+                 models: dict[str, Path] | None = None) -> None:
         self.store = store
-        self.workshop = Workshop(data_dir, device)
+        self.models = dict(models or {})
+        self.workshop = Workshop(data_dir, device, self.local_dir)
         self.samplers = SamplerPool(sampler_capacity)
         self.signer = UrlSigner(data_dir)
         self.sampler_used: dict[str, float] = {}  # sampling session -> when it last sampled (for the reaper)
@@ -211,7 +217,10 @@ class TinkerService:
             return str(out), (spec or {}).get("base_model", base_model or str(out))
         if not base_model:
             raise UserError("base_model: give a base model directory or a model_path")
-        return await asyncio.to_thread(_base_dir, base_model), base_model
+        return await asyncio.to_thread(self.local_dir, base_model), base_model
+
+    def local_dir(self, base_model: str) -> str:
+        return model_dir(base_model, self.models)
 
     async def create_sampling_session(self, req: wire.CreateSamplingSession) -> str:
         if await self.store.get("session", req.session_id) is None:

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,10 @@ def check_name(name: str | None, field: str = "path") -> str:
 
 
 class Workshop:
-    def __init__(self, data_dir: Path, device: str = "cpu") -> None:
+    def __init__(self, data_dir: Path, device: str = "cpu", local_dir: Callable[[str], str] = os.path.abspath
+                 ) -> None:
         self.device = device
+        self.local_dir_of = local_dir  # a base model's name -> its local directory
         self.runs = Path(data_dir) / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.hosts: dict[str, BaseHost] = {}
@@ -68,7 +71,7 @@ class Workshop:
 
     # -- models ---------------------------------------------------------------------------
     def host(self, base_model: str) -> BaseHost:
-        key = os.path.abspath(base_model)
+        key = self.local_dir_of(base_model)
         if key not in self.hosts:
             self.hosts[key] = BaseHost(key, self.device)
         return self.hosts[key]
