@@ -259,7 +259,7 @@ def _record(arrays: list[np.ndarray]) -> Any:
 
 
 def encode_sample(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float | None] | None,
-                  ) -> bytes:
+                  topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> bytes:
     """SampleResponse: per sequence (tokens, logprobs, stop reason "stop" | "length"); prompt logprobs NaN-first."""
     seqs = [pb.SampledSequence(stop_reason=pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH,
                                tokens=np.asarray(toks, dtype=np.int32).tobytes(),
@@ -269,4 +269,9 @@ def encode_sample(sequences: list[tuple[list[int], list[float], str]], prompt_lo
     if prompt_logprobs is not None:
         vals = [math.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(vals, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, lps = topk
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=ids.numpy().astype(np.int32).tobytes(), logprobs=lps.numpy().astype(np.float32).tobytes(),
+            k=int(ids.shape[1]), length=int(ids.shape[0])))
     return out.SerializeToString()
