@@ -17,7 +17,7 @@ import uvicorn
 from services.common.embedded_redis import EmbeddedRedis
 from services.tinker_api.app import create_app
 from services.tinker_api.checkpoints import export
-from services.tinker_api.config import ConfigFileError, load_serve_config
+from services.tinker_api.config import ConfigFileError, ensure_auth, load_serve_config
 from services.tinker_api.losses import UserError
 
 
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.data_dir = type(cfg.data_dir)(args.data_dir)
     cfg.models.update({n: Path(p).resolve() for n, p in (m.split("=", 1) for m in args.model)})
     cfg.data_dir = cfg.data_dir.resolve()  # engines and snapshots are keyed by absolute paths
+    key_file = ensure_auth(cfg)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     redis = None
@@ -77,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         redis = EmbeddedRedis(data_dir=cfg.data_dir / "redis").start()
     try:
         app = create_app(cfg, cfg.redis_url or redis.url)  # type: ignore[union-attr]
-        logging.getLogger("tandem.tinker_api").info("Tinker API on http://%s:%d (data in %s)",
-                                                    cfg.host, cfg.port, cfg.data_dir)
+        log = logging.getLogger("tandem.tinker_api")
+        log.info("Tinker API on http://%s:%d (data in %s)", cfg.host, cfg.port, cfg.data_dir)
+        if key_file is not None:
+            log.info("%s is beyond loopback and no api_keys are set: clients need TINKER_API_KEY from %s "
+                     "(open_beyond_loopback: true serves it open)", cfg.host, key_file)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     finally:
         if redis is not None:
