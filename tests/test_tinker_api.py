@@ -266,3 +266,12 @@ def test_topk_prompt_logprobs_and_the_training_context_check(service: tinker.Ser
     with pytest.raises(tinker.RequestFailedError, match="context"):
         tc.forward_backward([sft_datum([IDS[0]] * (context + 2))], "cross_entropy").result()
     assert tc.forward([sft_datum(IDS)], "cross_entropy").result().metrics["loss:sum"] > 0  # the client goes on
+
+
+def test_a_seeded_client_trains_deterministically(service: tinker.ServiceClient, tiny_model_dir: Path):
+    runs = []
+    for _ in range(2):
+        tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=21).result()
+        runs.append((train_steps(tc, 3), forward_logprobs(tc, IDS)))
+    assert runs[0][0] == runs[1][0]  # the same losses, bit for bit
+    assert np.array_equal(runs[0][1], runs[1][1])

@@ -26,10 +26,10 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from safetensors.torch import save_file
 
+from services.tinker_api.lora_host import LORA_ALPHA
 from services.tinker_api.losses import UserError
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-LORA_ALPHA = 32.0  # Tinker's: tinker-cookbook 0.5.8 hyperparam_utils.get_lora_lr_over_full_finetune_lr(lora_alpha=32)
 URL_TTL_S = 3600
 
 

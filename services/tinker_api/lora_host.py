@@ -31,7 +31,7 @@ from services.tinker_api.losses import UserError, check_inputs, datum_loss
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-LORA_ALPHA = 32.0
+LORA_ALPHA = 32.0  # Tinker's, on every rank (scale 32 / r): tinker-cookbook 0.5.8 hyperparam_utils (lora_alpha=32)
 STATE_FILE = "tinker_state.pt"
 
 
