@@ -34,7 +34,7 @@ class TinkerServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> TinkerServer:
+    def start(self, timeout: float = 300.0) -> TinkerServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         cmd = [sys.executable, "-m", "services.launcher.cli", "serve", str(self.config), "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)

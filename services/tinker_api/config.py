@@ -35,7 +35,8 @@ class ServeConfig(BaseModel):
     models: dict[str, Path] = Field(default_factory=dict, description="hub names served from local model "
                                                                       "directories (NAME: DIR)")
     sampler_cache: int = Field(4, ge=1, description="engines (weights snapshots) kept loaded, LRU")
-    session_idle_s: float = Field(300.0, gt=0, description="a session without a heartbeat this long is finished "
+    session_idle_s: float = Field(300.0, gt=0, description="a session without a heartbeat or a training request this "
+                                                          "long is finished "
                                                           "(the SDK sends one every 10 s)")
     sampler_idle_s: float = Field(600.0, gt=0, description="an ephemeral sampler snapshot unused this long is "
                                                           "deleted (each model's newest is kept)")

@@ -2,8 +2,8 @@
 
 ``Reaper.sweep`` runs every ``reap_every_s``:
 
-* a session without a heartbeat (the SDK sends one every 10 s) for ``session_idle_s`` is
-  finished as if its client had closed it: its models leave memory and their ephemeral
+* a session without a heartbeat (the SDK sends one every 10 s) or a training request for
+  ``session_idle_s`` is finished as if its client had closed it: its models leave memory and their ephemeral
   sampler snapshots the disk; named checkpoints and the request logs stay;
 * an ephemeral snapshot (``save_weights_and_get_sampling_client``) whose sampling sessions
   have not sampled for ``sampler_idle_s`` is deleted, with its engine, unless it is its
@@ -59,13 +59,15 @@ class Reaper:
         for sid in await store.names("session"):
             if await store.field("session", sid, "finished") is not None:
                 continue
-            seen = await store.field("session", sid, "heartbeat") or (await store.get("session", sid) or {}).get(
+            beat = await store.field("session", sid, "heartbeat") or (await store.get("session", sid) or {}).get(
                 "created")
-            if seen is not None and now - float(seen) > self.session_idle_s:
+            if beat is None:
+                continue
+            seen = max(float(beat), self.svc.session_used.get(sid, 0.0))
+            if now - seen > self.session_idle_s:
                 await store.touch("session", sid, "finished", '{"expired": "no heartbeat"}')
                 models = await self.svc.finish_session(sid)
-                log.info("session %s expired (no heartbeat for %.0f s): %d models dropped", sid, now - float(seen),
-                         models)
+                log.info("session %s expired (idle for %.0f s): %d models dropped", sid, now - seen, models)
                 n += 1
         return n
 

@@ -59,6 +59,7 @@ class TinkerService:
         self.samplers = SamplerPool(sampler_capacity)
         self.signer = UrlSigner(data_dir)
         self.sampler_used: dict[str, float] = {}  # sampling session -> when it last sampled (for the reaper)
+        self.session_used: dict[str, float] = {}  # session -> its last training request (for the reaper)
         self.trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -115,6 +116,7 @@ class TinkerService:
         if seq != 0 and await self.store.op_at(model_id, 0) is None:
             raise UserError(f"model_id: unknown model {model_id!r}")
         rid, outcome = await self.store.submit(kind, model_id, seq, body, ctype)
+        self.session_used[model_id.rsplit(":train:", 1)[0]] = time.time()
         if outcome == CONFLICT:
             raise Conflict(f"seq_id: {seq} of model {model_id} was already submitted with a different body "
                            "(conflict: the first request stands)")
