@@ -189,6 +189,8 @@ class TinkerService:
             if req is None or req.get("state") != b"pending":
                 self._done.pop(rid, None)
                 return req
+            if req.get("kind") != b"sample":  # a model dropped (its session expired) is rebuilt for its waiter
+                self.ensure_runner(req["scope"].decode())
             left = deadline - time.monotonic()
             if left <= 0:
                 return req
