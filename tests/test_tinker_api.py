@@ -120,10 +120,17 @@ def test_two_clients_on_one_base_stay_isolated(service: tinker.ServiceClient, ti
     assert not np.array_equal(forward_logprobs(b, IDS), before_b)
 
 
-def _expected(loss_fn: str, lp: np.ndarray, q: np.ndarray, adv: np.ndarray, lo: float, hi: float) -> float:
+def _expected(loss_fn: str, lp: np.ndarray, q: np.ndarray, adv: np.ndarray, lo: float, hi: float,
+              cfg: dict[str, float] | None = None, mask: np.ndarray | None = None) -> float:
     ratio = np.exp(lp - q)
     if loss_fn == "importance_sampling":
         return float(-(ratio * adv).sum())
+    if loss_fn == "dro":  # tinker-docs.thinkingmachines.ai/tinker/losses/dro
+        return float(-(lp * adv - 0.5 * (cfg or {})["beta"] * (lp - q) ** 2).sum())
+    if loss_fn == "gspo":  # tinker-docs.thinkingmachines.ai/tinker/losses/gspo: one sequence ratio for every token
+        keep = np.ones_like(lp, dtype=bool) if mask is None else mask != 0
+        seq = np.exp((lp - q)[keep].mean())
+        return float(-np.minimum(seq * adv, np.clip(seq, lo, hi) * adv).sum())
     if loss_fn == "ppo":
         return float(-np.minimum(ratio * adv, np.clip(ratio, lo, hi) * adv).sum())
     return float(-(np.clip(ratio, lo, hi) * lp * adv).sum())  # cispo
@@ -144,11 +151,20 @@ def test_each_loss_equals_a_hand_computation(service: tinker.ServiceClient, tiny
                      loss_fn_inputs={"target_tokens": IDS[1:], "logprobs": q, "advantages": adv})
     for loss_fn, cfg in [("importance_sampling", None), ("ppo", None), ("cispo", None),
                          ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
-                         ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.3})]:
+                         ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.3}),
+                         ("dro", {"beta": 0.05}), ("dro", {"beta": 2.0}), ("gspo", None),
+                         ("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05})]:
         out = tc.forward([rl], loss_fn, cfg).result()
         np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), lp, atol=1e-6)
         lo, hi = (cfg or {}).get("clip_low_threshold", 0.8), (cfg or {}).get("clip_high_threshold", 1.2)
-        assert out.metrics["loss:sum"] == pytest.approx(_expected(loss_fn, lp, q, adv, lo, hi), rel=1e-4), loss_fn
+        assert out.metrics["loss:sum"] == pytest.approx(_expected(loss_fn, lp, q, adv, lo, hi, cfg), rel=1e-4), loss_fn
+    mask = (np.arange(lp.size) % 3 != 0).astype(np.float32)  # GSPO's sequence ratio over some of the tokens
+    masked = types.Datum(model_input=rl.model_input, loss_fn_inputs={**rl.loss_fn_inputs, "sequence_ratio_mask": mask})
+    for q_shift in (0.0, 0.5):  # a ratio inside the clip, and one outside it
+        shifted = types.Datum(model_input=rl.model_input,
+                              loss_fn_inputs={**masked.loss_fn_inputs, "logprobs": (lp - q_shift).astype(np.float32)})
+        got = tc.forward([shifted], "gspo").result().metrics["loss:sum"]
+        assert got == pytest.approx(_expected("gspo", lp, lp - q_shift, adv, 0.8, 1.2, mask=mask), rel=1e-4)
     # gradients accumulate across forward_backward calls: two halves of a batch = the whole batch at once
     twin = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=4).result()
     half = [sft_datum(IDS[:12]), sft_datum(IDS[12:])]
@@ -163,7 +179,7 @@ def test_each_loss_equals_a_hand_computation(service: tinker.ServiceClient, tiny
 def test_bad_requests_fail_as_user_errors(service: tinker.ServiceClient, tiny_model_dir: Path, tmp_path: Path):
     tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=5).result()
     with pytest.raises(tinker.RequestFailedError) as err:
-        tc.forward([sft_datum(IDS)], "dro").result()
+        tc.forward([sft_datum(IDS)], "stable_reinforce").result()
     assert err.value.category == types.RequestErrorCategory.User and "loss_fn" in str(err.value)
     bad = types.Datum(model_input=types.ModelInput.from_ints(IDS[:-1]), loss_fn_inputs={"target_tokens": IDS[2:],
                                                                                           "weights": [1.0] * 22})
@@ -230,3 +246,32 @@ def test_a_sampler_engine_leaves_the_trainers_threads(tiny_model_dir: Path):
             assert later.submit(torch.get_num_threads).result() == threads
     finally:
         pool.stop()
+
+
+def test_topk_prompt_logprobs_and_the_training_context_check(service: tinker.ServiceClient, tiny_model_dir: Path):
+    base = service.create_sampling_client(base_model=str(tiny_model_dir)).result()
+    out = base.sample(types.ModelInput.from_ints(IDS), 1, types.SamplingParams(max_tokens=1, stop=[]),
+                      include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    top = out.topk_prompt_logprobs
+    assert top is not None and len(top) == len(IDS) and top[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=torch.tensor([IDS[:-1]])).logits[0].float(), -1)
+    vals, idx = full.topk(3, dim=-1)
+    for i, row in enumerate(top[1:]):
+        assert [t for t, _ in row] == idx[i].tolist()
+        np.testing.assert_allclose([lp for _, lp in row], vals[i].numpy(), atol=1e-4)
+    tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=6).result()
+    context = model.config.max_position_embeddings
+    with pytest.raises(tinker.RequestFailedError, match="context"):
+        tc.forward_backward([sft_datum([IDS[0]] * (context + 2))], "cross_entropy").result()
+    assert tc.forward([sft_datum(IDS)], "cross_entropy").result().metrics["loss:sum"] > 0  # the client goes on
+
+
+def test_a_seeded_client_trains_deterministically(service: tinker.ServiceClient, tiny_model_dir: Path):
+    runs = []
+    for _ in range(2):
+        tc = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=21).result()
+        runs.append((train_steps(tc, 3), forward_logprobs(tc, IDS)))
+    assert runs[0][0] == runs[1][0]  # the same losses, bit for bit
+    assert np.array_equal(runs[0][1], runs[1][1])

@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class TinkerServer:
-    def __init__(self, redis_url: str, data_dir: Path, port: int | None = None, api_keys: list[str] | None = None):
+    def __init__(self, redis_url: str, data_dir: Path, port: int | None = None, api_keys: list[str] | None = None,
+                 settings: dict[str, object] | None = None):
         self.port = port or free_port()
         self.data_dir = data_dir
         self.config = data_dir / "serve.yaml"
         data_dir.mkdir(parents=True, exist_ok=True)
         keys = "".join(f"\n    - {k}" for k in api_keys or [])
         self.config.write_text(f"tinker_api:\n  redis_url: {redis_url}\n  data_dir: {data_dir}\n"
-                               + (f"  api_keys:{keys}\n" if keys else ""))
+                               + (f"  api_keys:{keys}\n" if keys else "")
+                               + "".join(f"  {k}: {v}\n" for k, v in (settings or {}).items()))
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / f"server-{self.port}.log"
 
@@ -32,7 +34,7 @@ class TinkerServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> TinkerServer:
+    def start(self, timeout: float = 300.0) -> TinkerServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         cmd = [sys.executable, "-m", "services.launcher.cli", "serve", str(self.config), "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)

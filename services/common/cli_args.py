@@ -35,3 +35,5 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8910)")
     parser.add_argument("--data-dir", help="checkpoints, snapshots, embedded Redis (default runs/tinker)")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                        help="serve the local model DIR under the hub name NAME (repeatable)")

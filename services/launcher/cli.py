@@ -129,7 +129,7 @@ def init_model(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["serve"], ["eval"]) and not {"-h", "--help"} & set(argv[1:]):
+    if argv[:2] == ["serve", "export"] or (argv[:1] in (["serve"], ["eval"]) and not {"-h", "--help"} & set(argv[1:])):
         pass_through(argv)
     args = parser.parse_args(argv)
     if args.command == "envs":

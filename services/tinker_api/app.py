@@ -10,6 +10,7 @@ in ``routes.py``, one router per group.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,12 +21,15 @@ from fastapi.responses import JSONResponse, Response
 
 from services.tinker_api import routes
 from services.tinker_api.config import ServeConfig
+from services.tinker_api.lifetimes import Reaper
 from services.tinker_api.losses import UserError
+from services.tinker_api.rest_routes import FILES_PREFIX, rest_routes
 from services.tinker_api.routes import user_error
 from services.tinker_api.service import TinkerService
 from services.tinker_api.store import Store
 
 OPEN_PATHS = ("/api/v1/healthz", "/health")
+SIGNED_PREFIX = FILES_PREFIX  # a signed file URL carries its own credential
 
 
 def install_guards(app: FastAPI, api_keys: list[str]) -> None:
@@ -33,7 +37,7 @@ def install_guards(app: FastAPI, api_keys: list[str]) -> None:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        open_path = request.url.path in OPEN_PATHS
+        open_path = request.url.path in OPEN_PATHS or request.url.path.startswith(SIGNED_PREFIX)
         given = (request.headers.get("x-api-key") or "").encode()
         if api_keys and not open_path and not any(hmac.compare_digest(given, k.encode()) for k in api_keys):
             return user_error("X-API-Key: missing or not one of this server's API keys", 401)
@@ -57,12 +61,15 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(redis_url)
         await store.ping()
-        svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache, cfg.resolved_device())
+        svc = TinkerService(store, cfg.data_dir, cfg.sampler_cache, cfg.resolved_device(), cfg.models)
         app.state.svc = svc
         await svc.recover()
+        reaper = asyncio.create_task(Reaper(svc, cfg.session_idle_s, cfg.sampler_idle_s, cfg.reap_every_s).run())
         try:
             yield
         finally:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
             await svc.close()
             await store.close()
 
@@ -77,4 +84,6 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     app.include_router(routes.model_routes(svc))
     app.include_router(routes.training_routes(svc))
     app.include_router(routes.sampling_routes(svc))
+    app.include_router(rest_routes(svc))
+    app.include_router(routes.unserved_routes(svc))  # last: it matches every path
     return app

@@ -31,7 +31,7 @@ from services.tinker_api.losses import UserError, check_inputs, datum_loss
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-LORA_ALPHA = 32.0
+LORA_ALPHA = 32.0  # Tinker's, on every rank (scale 32 / r): tinker-cookbook 0.5.8 hyperparam_utils (lora_alpha=32)
 STATE_FILE = "tinker_state.pt"
 
 
@@ -172,9 +172,13 @@ class LoraClient:
     def forward_backward(self, data: list[Datum], loss_fn: str, cfg: dict[str, float], backward: bool
                          ) -> tuple[list[torch.Tensor], float]:
         vocab = int(self.host.config.vocab_size)
+        context = getattr(self.host.config, "max_position_embeddings", None)
         for i, d in enumerate(data):
             if not d.tokens:
                 raise UserError(f"data[{i}].model_input: empty")
+            if context is not None and len(d.tokens) > int(context):
+                raise UserError(f"data[{i}].model_input: {len(d.tokens)} tokens exceed the model's context of "
+                                f"{int(context)} (max_position_embeddings)")
             bad = [t for t in d.tokens if not 0 <= t < vocab]
             if bad:
                 raise UserError(f"data[{i}].model_input: token id {bad[0]} is outside the vocabulary ({vocab})")

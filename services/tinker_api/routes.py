@@ -11,7 +11,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -20,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.tinker_api import wire
 from services.tinker_api.config import ServeConfig
-from services.tinker_api.losses import UserError
+from services.tinker_api.losses import Conflict, UserError
 from services.tinker_api.service import JSON, PROTO, TinkerService
 
 M = TypeVar("M", bound=BaseModel)
@@ -44,6 +43,18 @@ def user_error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": message, "detail": message, "category": "user"}, status_code=status)
 
 
+async def submitted(svc: TinkerService, kind: str, body: bytes, proto: bool, submit: Any) -> dict[str, Any]:
+    """Run ``submit()``; a request it refuses still takes its ``seq_id`` (as a failed operation), so the
+    model's later requests are not left waiting behind it; the refusal is then raised as usual."""
+    try:
+        return await submit()
+    except UserError as exc:
+        ref = wire.sequence_ref(body, proto)
+        if ref is not None and not isinstance(exc, Conflict):
+            await svc.refuse_op(kind, ref[0], ref[1], body, PROTO if proto else JSON, str(exc))
+        raise
+
+
 def service_routes(cfg: ServeConfig, svc: Svc) -> APIRouter:
     """Health, capabilities, the SDK's client config and telemetry."""
     r = APIRouter()
@@ -56,11 +67,11 @@ def service_routes(cfg: ServeConfig, svc: Svc) -> APIRouter:
     @r.get("/health")
     async def health() -> dict[str, Any]:  # what Tandem's container HEALTHCHECK and probes ask
         await svc().store.ping()
-        return {"service": "tinker_api", "ok": True}
+        return {"service": "tinker_api", "ok": True, **svc().loaded()}
 
     @r.get("/api/v1/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        names = sorted({*cfg.base_models, *(h.path for h in svc().workshop.hosts.values())})
+        names = sorted({*cfg.models, *cfg.base_models, *(h.path for h in svc().workshop.hosts.values())})
         return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True} for n in names]}
 
     @r.post("/api/v1/client/config")
@@ -92,7 +103,7 @@ def session_routes(svc: Svc) -> APIRouter:
         req = parse(wire.CreateSession, await request.body())
         sid = uuid.uuid4().hex
         await svc().store.put("session", sid, {"tags": req.tags, "user_metadata": req.user_metadata,
-                                               "sdk_version": req.sdk_version})
+                                               "sdk_version": req.sdk_version, "created": time.time()})
         return {"type": "create_session", "session_id": sid}
 
     @r.post("/api/v1/session_heartbeat")
@@ -132,30 +143,28 @@ def model_routes(svc: Svc) -> APIRouter:
         if spec is None:
             raise UserError(f"model_id: unknown model {req.model_id!r}")
         base = spec["base_model"]
+        try:  # the SDK loads its tokenizer from tokenizer_id: the local directory, also under a hub name
+            tokenizer = svc().local_dir(base)
+        except UserError:
+            tokenizer = base
         return {"type": "get_info", "model_id": req.model_id, "is_lora": True, "lora_rank": spec["rank"],
-                "model_name": base, "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": base}}
-
-    @r.get("/api/v1/training_runs/{model_id}")
-    async def training_run(model_id: str) -> Any:  # the cookbook reads a checkpoint's renderer name here
-        spec = await svc().store.get("model", model_id)
-        if spec is None:
-            return user_error(f"training_run_id: unknown training run {model_id!r}", 404)
-        created = datetime.fromtimestamp(spec.get("created", 0.0), UTC).isoformat()
-        return {"training_run_id": model_id, "base_model": spec["base_model"], "model_owner": spec["session_id"],
-                "is_lora": True, "lora_rank": spec["rank"], "last_request_time": created,
-                "user_metadata": {k: str(v) for k, v in (spec.get("user_metadata") or {}).items()}}
+                "model_name": base, "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": tokenizer}}
 
     @r.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await request.body()
-        req = parse(wire.LoadWeights, body)
-        if req.model_id is not None:
-            if req.seq_id is None or req.seq_id < 1:
-                raise UserError("seq_id: a load into a model needs its seq_id (1 or more)")
-            rid = await svc().submit_op("load_weights", req.model_id, req.seq_id, body)
-            return {"request_id": rid, "model_id": req.model_id}
-        rid, model_id = await svc().load_create(req)
-        return {"request_id": rid, "model_id": model_id}
+
+        async def submit() -> dict[str, Any]:
+            req = parse(wire.LoadWeights, body)
+            if req.model_id is not None:
+                if req.seq_id is None or req.seq_id < 1:
+                    raise UserError("seq_id: a load into a model needs its seq_id (1 or more)")
+                rid = await svc().submit_op("load_weights", req.model_id, req.seq_id, body)
+                return {"request_id": rid, "model_id": req.model_id}
+            rid, model_id = await svc().load_create(req)
+            return {"request_id": rid, "model_id": model_id}
+
+        return await submitted(svc(), "load_weights", body, False, submit)
 
     return r
 
@@ -171,17 +180,25 @@ def training_routes(svc: Svc) -> APIRouter:
             import zstandard
 
             body = zstandard.ZstdDecompressor().decompress(body)
-        model_id, seq, _, _, _, _ = wire.decode_forward_backward(body)
-        if seq < 1:
-            raise UserError("seq_id: must be 1 or more")
-        rid = await svc().submit_op("forward_backward", model_id, seq, body, PROTO)
-        return {"request_id": rid, "model_id": model_id}
+
+        async def submit() -> dict[str, Any]:
+            model_id, seq, _, _, _, _ = wire.decode_forward_backward(body)
+            if seq < 1:
+                raise UserError("seq_id: must be 1 or more")
+            rid = await svc().submit_op("forward_backward", model_id, seq, body, PROTO)
+            return {"request_id": rid, "model_id": model_id}
+
+        return await submitted(svc(), "forward_backward", body, True, submit)
 
     async def model_op(kind: str, request: Request, model: type[M]) -> dict[str, Any]:
         body = await request.body()
-        req: Any = parse(model, body)
-        rid = await svc().submit_op(kind, req.model_id, req.seq_id, body)
-        return {"request_id": rid, "model_id": req.model_id}
+
+        async def submit() -> dict[str, Any]:
+            req: Any = parse(model, body)
+            rid = await svc().submit_op(kind, req.model_id, req.seq_id, body)
+            return {"request_id": rid, "model_id": req.model_id}
+
+        return await submitted(svc(), kind, body, False, submit)
 
     @r.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -194,6 +211,10 @@ def training_routes(svc: Svc) -> APIRouter:
     @r.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         return await model_op("save_for_sampler", request, wire.SaveWeights)
+
+    @r.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        return await model_op("save_external", request, wire.SaveExternal)
 
     return r
 
@@ -240,5 +261,22 @@ def sampling_routes(svc: Svc) -> APIRouter:
         if rec.get("state") == b"pending":
             return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
         return Response(rec["result"], media_type=rec.get("rctype", JSON.encode()).decode())
+
+    return r
+
+
+def unserved_routes(svc: Svc) -> APIRouter:
+    """Any other path: a 404 in the SDK's error shape; a model operation sent there still takes its seq_id."""
+    r = APIRouter()
+
+    @r.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def unserved(path: str, request: Request) -> JSONResponse:
+        message = f"{request.method} /{path} is not served by this Tandem server"
+        if request.method != "GET":
+            body = await request.body()
+            ref = wire.sequence_ref(body, request.headers.get("content-type", "").startswith(PROTO))
+            if ref is not None:
+                await svc().refuse_op(f"unserved:/{path}", ref[0], ref[1], body, JSON, message)
+        return user_error(message, 404)
 
     return r

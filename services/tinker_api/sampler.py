@@ -22,6 +22,7 @@ from services.tinker_api import wire
 from services.tinker_api.losses import UserError
 
 DEFAULT_MAX_TOKENS = 256
+MASK_LOGPROB = -99999.0  # the SDK's sentinel of an empty top-k row (tinker.types.topk_logprobs)
 
 
 class SamplerPool:
@@ -93,8 +94,9 @@ def _stops(spec: wire.SamplingSpec) -> tuple[frozenset[int], tuple[str, ...], bo
 
 
 def check_sample(req: wire.Sample) -> list[int]:
-    unsupported = {"topk_prompt_logprobs": req.topk_prompt_logprobs > 0,
-                   "topk_sample_logprobs": req.topk_sample_logprobs > 0,
+    if not 0 <= req.topk_prompt_logprobs <= 1000:
+        raise UserError("topk_prompt_logprobs: must be between 0 and 1000")
+    unsupported = {"topk_sample_logprobs": req.topk_sample_logprobs > 0,
                    "target_prompt_logprobs": req.target_prompt_logprobs is not None,
                    "prompt_alt_tokens_k": req.prompt_alt_tokens_k > 0}
     asked = [k for k, v in unsupported.items() if v]
@@ -109,16 +111,28 @@ def check_sample(req: wire.Sample) -> list[int]:
     return tokens
 
 
-def prompt_logprobs(engine: Engine, tokens: list[int], last_n: int | None) -> list[float | None]:
-    """log p(token i | tokens < i) for every prompt token (None for the first, and before the last ``last_n``)."""
+def prompt_logprobs(engine: Engine, tokens: list[int], last_n: int | None, top_k: int = 0
+                    ) -> tuple[list[float | None], tuple[torch.Tensor, torch.Tensor] | None]:
+    """log p(token i | tokens < i) for every prompt token (None for the first, and before the last ``last_n``),
+    and with ``top_k``, each position's k likeliest (ids, logprobs), rows without a value left 0 and -99999."""
     with torch.inference_mode():
         ids = torch.tensor([tokens], dtype=torch.long)
         logits = engine.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1].float()
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        all_lp = torch.log_softmax(logits, dim=-1)
+        lp = all_lp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        top = None
+        if top_k:
+            k = min(top_k, all_lp.shape[-1])
+            vals, idx = all_lp.topk(k, dim=-1)
+            top_ids = torch.zeros((len(tokens), k), dtype=torch.int32)
+            top_lps = torch.full((len(tokens), k), MASK_LOGPROB, dtype=torch.float32)
+            first = 1 if last_n is None else len(tokens) - last_n
+            top_ids[first:], top_lps[first:] = idx[first - 1:].int(), vals[first - 1:]
+            top = (top_ids, top_lps)
     out: list[float | None] = [None, *lp]
     if last_n is not None:
         out = [None] * (len(out) - last_n) + out[len(out) - last_n:]
-    return out
+    return out, top
 
 
 async def sample(pool: SamplerPool, weights_dir: str, req: wire.Sample, rid: str) -> bytes:
@@ -136,8 +150,9 @@ async def sample(pool: SamplerPool, weights_dir: str, req: wire.Sample, rid: str
             done = await asyncio.gather(*(engine.generate(g) for g in gens))
         except EngineError as exc:
             raise UserError(str(exc)) from None
-        prompt_lps = (await asyncio.to_thread(prompt_logprobs, engine, tokens, req.prompt_logprobs_last_n)
-                      if req.prompt_logprobs else None)
+        want = bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0
+        prompt_lps, top = (await asyncio.to_thread(prompt_logprobs, engine, tokens, req.prompt_logprobs_last_n,
+                                                   req.topk_prompt_logprobs) if want else (None, None))
     seqs = []
     for g in done:
         finish = (g.finish or {}).get("type")
@@ -146,4 +161,4 @@ async def sample(pool: SamplerPool, weights_dir: str, req: wire.Sample, rid: str
         if any(not math.isfinite(x) for x in g.logprobs):
             raise RuntimeError("sampling produced non-finite logprobs")
         seqs.append((list(g.output_ids), list(g.logprobs), finish))
-    return wire.encode_sample(seqs, prompt_lps)
+    return wire.encode_sample(seqs, prompt_lps if req.prompt_logprobs else None, top)

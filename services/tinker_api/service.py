@@ -24,20 +24,25 @@ from pathlib import Path
 from typing import Any
 
 from services.tinker_api import wire
-from services.tinker_api.losses import UserError
+from services.tinker_api.checkpoints import UrlSigner
+from services.tinker_api.losses import Conflict, UserError
 from services.tinker_api.sampler import SamplerPool, sample
-from services.tinker_api.store import Store
+from services.tinker_api.store import CONFLICT, NEW, Store
 from services.tinker_api.workshop import Workshop, check_name
 
 log = logging.getLogger("tandem.tinker_api")
 JSON = "application/json"
 PROTO = "application/x-protobuf"
-NO_REPLAY = {"save_weights", "save_for_sampler"}
+NO_REPLAY = {"save_weights", "save_for_sampler", "save_external"}
 
 
-def _base_dir(base_model: str) -> str:
+def model_dir(base_model: str, models: dict[str, Path]) -> str:
+    """The local directory of a base model: a served hub name (``tandem serve --model NAME=DIR``) or a directory."""
+    if base_model in models:
+        return str(models[base_model])
     if not (Path(base_model) / "config.json").is_file():
-        raise UserError(f"base_model: {base_model!r} is not a local model directory (no config.json)")
+        served = f" nor one of the served names {sorted(models)}" if models else ""
+        raise UserError(f"base_model: {base_model!r} is not a local model directory (no config.json){served}")
     return str(Path(base_model).resolve())
 
 
@@ -46,10 +51,15 @@ def _json(obj: Any) -> bytes:
 
 
 class TinkerService:
-    def __init__(self, store: Store, data_dir: Path, sampler_capacity: int = 4, device: str = "cpu") -> None:
+    def __init__(self, store: Store, data_dir: Path, sampler_capacity: int = 4, device: str = "cpu",
+                 models: dict[str, Path] | None = None) -> None:
         self.store = store
-        self.workshop = Workshop(data_dir, device)
+        self.models = dict(models or {})
+        self.workshop = Workshop(data_dir, device, self.local_dir)
         self.samplers = SamplerPool(sampler_capacity)
+        self.signer = UrlSigner(data_dir)
+        self.sampler_used: dict[str, float] = {}  # sampling session -> when it last sampled (for the reaper)
+        self.session_used: dict[str, float] = {}  # session -> its last training request (for the reaper)
         self.trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -85,6 +95,10 @@ class TinkerService:
     async def _train(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, fn, *args)
 
+    def loaded(self) -> dict[str, int]:
+        """What this process holds now: training clients in memory, sampler engines loaded."""
+        return {"models_loaded": len(self.workshop.clients), "engines_loaded": len(self.samplers.loaded())}
+
     async def finish_session(self, session_id: str) -> int:
         """A finished session's models leave memory, its ephemeral snapshots the disk (named checkpoints and
         the request logs stay); returns how many models."""
@@ -101,10 +115,27 @@ class TinkerService:
         """Record a model operation (after the model's creation) and wake its runner."""
         if seq != 0 and await self.store.op_at(model_id, 0) is None:
             raise UserError(f"model_id: unknown model {model_id!r}")
-        rid, _ = await self.store.submit(kind, model_id, seq, body, ctype)
+        rid, outcome = await self.store.submit(kind, model_id, seq, body, ctype)
+        self.session_used[model_id.rsplit(":train:", 1)[0]] = time.time()
+        if outcome == CONFLICT:
+            raise Conflict(f"seq_id: {seq} of model {model_id} was already submitted with a different body "
+                           "(conflict: the first request stands)")
         self.ensure_runner(model_id)
         self._wake.setdefault(model_id, asyncio.Event()).set()
         return rid
+
+    async def refuse_op(self, kind: str, model_id: str, seq: int, body: bytes, ctype: str, message: str) -> bool:
+        """A request refused at submission takes its ``seq_id`` as a failed operation, so the model's runner
+        goes on to the next one; False when there is no such model or the ``seq_id`` is taken already."""
+        if seq < 1 or await self.store.op_at(model_id, 0) is None:
+            return False
+        error = _json({"error": message, "category": "user"})
+        _, outcome = await self.store.submit(kind, model_id, seq, body, ctype, refused=error)
+        if outcome != NEW:
+            return False
+        self.ensure_runner(model_id)
+        self._wake.setdefault(model_id, asyncio.Event()).set()
+        return True
 
     async def create_model(self, req: wire.CreateModel) -> tuple[str, str]:
         if await self.store.get("session", req.session_id) is None:
@@ -137,11 +168,15 @@ class TinkerService:
             if await self.store.get("sampler", req.sampling_session_id) is None:
                 raise UserError(f"sampling_session_id: unknown sampling session {req.sampling_session_id!r}")
             scope, seq = req.sampling_session_id, req.seq_id if req.seq_id is not None else time.time_ns()
+            self.sampler_used[scope] = time.time()
         else:
             await self.sampler_weights(req.base_model, req.model_path)  # validates before recording
             scope, seq = "direct", time.time_ns()
-        rid, created = await self.store.submit("sample", scope, int(seq), body, JSON)
-        if created:
+        rid, outcome = await self.store.submit("sample", scope, int(seq), body, JSON)
+        if outcome == CONFLICT:
+            raise Conflict(f"seq_id: {seq} of sampling session {scope} was already submitted with a different "
+                           "body (conflict: the first request stands)")
+        if outcome == NEW:
             self._spawn(self._run_sample(rid, await self.store.request(rid) or {}))
         return rid, [f"{rid}/{i}" for i in range(req.num_samples)]
 
@@ -154,6 +189,8 @@ class TinkerService:
             if req is None or req.get("state") != b"pending":
                 self._done.pop(rid, None)
                 return req
+            if req.get("kind") != b"sample":  # a model dropped (its session expired) is rebuilt for its waiter
+                self.ensure_runner(req["scope"].decode())
             left = deadline - time.monotonic()
             if left <= 0:
                 return req
@@ -184,7 +221,10 @@ class TinkerService:
             return str(out), (spec or {}).get("base_model", base_model or str(out))
         if not base_model:
             raise UserError("base_model: give a base model directory or a model_path")
-        return await asyncio.to_thread(_base_dir, base_model), base_model
+        return await asyncio.to_thread(self.local_dir, base_model), base_model
+
+    def local_dir(self, base_model: str) -> str:
+        return model_dir(base_model, self.models)
 
     async def create_sampling_session(self, req: wire.CreateSamplingSession) -> str:
         if await self.store.get("session", req.session_id) is None:
@@ -192,7 +232,7 @@ class TinkerService:
         weights, base = await self.sampler_weights(req.base_model, req.model_path)
         sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         await self.store.put("sampler", sid, {"weights": weights, "base_model": base, "model_path": req.model_path,
-                                              "session_id": req.session_id}, only_new=True)
+                                              "session_id": req.session_id, "created": time.time()}, only_new=True)
         return sid
 
     async def _run_sample(self, rid: str, req: dict[str, bytes]) -> None:
@@ -263,6 +303,8 @@ class TinkerService:
             return _json({"model_id": model_id, "type": "create_model"}), JSON
         if kind in ("load_create", "load_weights"):
             return await self._load(kind, model_id, wire.LoadWeights.model_validate_json(body))
+        if kind == "save_external":
+            return await self._save_external(model_id, wire.SaveExternal.model_validate_json(body))
         req = wire.SaveWeights.model_validate_json(body)
         spec = await self.store.get("model", model_id) or {}
         if kind == "save_weights":
@@ -276,9 +318,17 @@ class TinkerService:
         if req.sampling_session_seq_id is not None:
             sid = f"{spec['session_id']}:sample:{req.sampling_session_seq_id}"
             await self.store.put("sampler", sid, {"weights": str(out), "base_model": spec["base_model"],
-                                                  "model_path": path, "session_id": spec["session_id"]})
+                                                  "model_path": path, "session_id": spec["session_id"],
+                                                  "created": time.time()})
             result["sampling_session_id"] = sid
         return _json(result), JSON
+
+    async def _save_external(self, model_id: str, req: wire.SaveExternal) -> tuple[bytes, str]:
+        spec = await self.store.get("model", model_id) or {}
+        path, size = await self._train(self.workshop.save_external, model_id, check_name(req.path),
+                                       spec["base_model"], req.age_encryption_recipients)
+        await self.store.set_expiry(path, None if req.ttl_seconds is None else time.time() + req.ttl_seconds)
+        return _json({"path": path, "size_bytes": size, "type": "save_weights_external"}), JSON
 
     async def _load(self, kind: str, model_id: str, req: wire.LoadWeights) -> tuple[bytes, str]:
         if kind == "load_create":

@@ -5,14 +5,19 @@
   ``rctype``). A request is written here BEFORE the client gets its ``request_id``.
 * ``tk:ops:{scope}`` (hash seq -> rid): a model's (or sampling session's) operation log.
   The request id is derived from (scope, seq), and ``submit`` writes the request only if
-  that id is new (one Lua script), so a retried request with a seen ``seq_id`` changes nothing.
+  that id is new (one Lua script), so a retried request with a seen ``seq_id`` changes nothing;
+  a seen ``seq_id`` with a different body (its ``digest`` differs) is reported as a conflict.
+  A request refused at submission is recorded at its ``seq_id`` as already failed (``refuse``),
+  so the model's runner steps over it instead of waiting there.
 * ``tk:model:{model_id}`` / ``tk:sampler:{sampling_session_id}`` / ``tk:session:{id}``
   (hashes of JSON fields): what each is, so they can be rebuilt after a restart.
 * ``tk:pending`` (set): requests without a result yet (a restart runs them).
+* ``tk:expiry`` (hash tinker path -> epoch seconds): the checkpoints saved or set with a TTL.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any
@@ -20,12 +25,27 @@ from typing import Any
 import redis.asyncio as aioredis
 
 _SUBMIT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local seen = redis.call('HGET', KEYS[1], 'digest')
+  if seen and seen ~= ARGV[3] then return 2 end
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('SADD', KEYS[3], ARGV[2])
+if ARGV[4] == 'pending' then redis.call('SADD', KEYS[3], ARGV[2]) end
 return 1
 """
+NEW, SEEN, CONFLICT = 1, 0, 2
+
+
+def digest(body: bytes, ctype: str) -> str:
+    """What makes two submissions the same request: the JSON's content (key order aside), or the bytes."""
+    if ctype == "application/json":
+        try:
+            body = json.dumps(json.loads(body or b"{}"), sort_keys=True).encode()
+        except ValueError:
+            pass
+    return hashlib.sha256(body).hexdigest()
 
 
 def request_id(scope: str, seq: int | str) -> str:
@@ -44,15 +64,22 @@ class Store:
         return bool(await self.redis.ping())
 
     # -- requests -----------------------------------------------------------------------
-    async def submit(self, kind: str, scope: str, seq: int, body: bytes, ctype: str) -> tuple[str, bool]:
-        """Record a request under (scope, seq); returns (request_id, True if new, False if a retry)."""
+    async def submit(self, kind: str, scope: str, seq: int, body: bytes, ctype: str,
+                     refused: bytes | None = None) -> tuple[str, int]:
+        """Record a request under (scope, seq): pending, or already failed with ``refused`` (its error's JSON).
+
+        Returns (request_id, NEW | SEEN (a retry of the same body) | CONFLICT (another body at that seq))."""
         rid = request_id(scope, seq)
-        fields = {"kind": kind, "scope": scope, "seq": str(seq), "body": body, "ctype": ctype,
-                  "state": "pending", "at": str(time.time())}
+        fields: dict[str, Any] = {"kind": kind, "scope": scope, "seq": str(seq), "body": body, "ctype": ctype,
+                                  "digest": digest(body, ctype), "at": str(time.time())}
+        if refused is None:
+            fields["state"] = "pending"
+        else:
+            fields.update(state="failed", result=refused, rctype="application/json", done_at=fields["at"])
         flat: list[Any] = [x for kv in fields.items() for x in kv]
-        created = await self._submit(keys=[f"tk:req:{rid}", f"tk:ops:{scope}", "tk:pending"],
-                                     args=[str(seq), rid, *flat])
-        return rid, bool(created)
+        outcome = await self._submit(keys=[f"tk:req:{rid}", f"tk:ops:{scope}", "tk:pending"],
+                                     args=[str(seq), rid, fields["digest"], fields["state"], *flat])
+        return rid, int(outcome)
 
     async def request(self, rid: str) -> dict[str, bytes] | None:
         raw = await self.redis.hgetall(f"tk:req:{rid}")
@@ -91,6 +118,21 @@ class Store:
     async def field(self, kind: str, key: str, field: str) -> str | None:
         raw = await self.redis.hget(f"tk:{kind}:{key}", field)
         return raw.decode() if raw is not None else None
+
+    async def set_expiry(self, tinker_path: str, at: float | None) -> None:
+        """A checkpoint's expiry (epoch seconds; None: kept for good), in ``tk:expiry``."""
+        if at is None:
+            await self.redis.hdel("tk:expiry", tinker_path)
+        else:
+            await self.redis.hset("tk:expiry", tinker_path, str(at))
+
+    async def expiries(self) -> dict[str, float]:
+        return {k.decode(): float(v) for k, v in (await self.redis.hgetall("tk:expiry")).items()}
+
+    async def names(self, kind: str) -> list[str]:
+        """The keys of every ``tk:{kind}:*`` record (a SCAN)."""
+        prefix = f"tk:{kind}:"
+        return sorted([k.decode()[len(prefix):] async for k in self.redis.scan_iter(match=prefix + "*", count=500)])
 
     async def count(self, name: str, n: int = 1) -> int:
         return int(await self.redis.hincrby("tk:telemetry", name, n))

@@ -8,6 +8,7 @@ the service reads (unknown fields are ignored, so newer SDKs keep working).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -79,6 +80,22 @@ class SaveWeights(Body):
     path: str | None = None
     sampling_session_seq_id: int | None = None
     kind: str = "snapshot"
+
+
+class SaveExternal(Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str
+    ttl_seconds: int | None = Field(None, ge=1)
+    age_encryption_recipients: list[str] | None = Field(None, max_length=10)
+
+
+class CheckpointTtl(Body):
+    ttl_seconds: int | None = Field(None, ge=1)
+
+
+class WeightsInfoRequest(Body):
+    tinker_path: str
 
 
 class LoadWeights(Body):
@@ -171,13 +188,39 @@ def _tensor(msg: Any, where: str) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(shape) if shape else arr)
 
 
-def decode_forward_backward(body: bytes) -> tuple[str, int, str, dict[str, float | str], list[Datum], bool]:
-    """(model_id, seq_id, loss_fn, loss_fn_config, data, forward_only) from the protobuf body."""
+def parse_forward_backward(body: bytes) -> Any:
+    """The ForwardBackwardRequest protobuf, not yet checked; a UserError if the body is not one."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
         raise UserError(f"forward_backward: body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    return msg
+
+
+def sequence_ref(body: bytes, proto: bool) -> tuple[str, int] | None:
+    """(model_id, seq_id) a request names, read as leniently as possible (for recording a refusal)."""
+    if proto:
+        try:
+            msg = parse_forward_backward(body)
+        except UserError:
+            return None
+        return (msg.model_id, int(msg.seq_id)) if msg.model_id else None
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    model_id, seq = doc.get("model_id"), doc.get("seq_id")
+    if isinstance(model_id, str) and isinstance(seq, int) and not isinstance(seq, bool):
+        return model_id, seq
+    return None
+
+
+def decode_forward_backward(body: bytes) -> tuple[str, int, str, dict[str, float | str], list[Datum], bool]:
+    """(model_id, seq_id, loss_fn, loss_fn_config, data, forward_only) from the protobuf body."""
+    msg = parse_forward_backward(body)
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
@@ -216,7 +259,7 @@ def _record(arrays: list[np.ndarray]) -> Any:
 
 
 def encode_sample(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float | None] | None,
-                  ) -> bytes:
+                  topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> bytes:
     """SampleResponse: per sequence (tokens, logprobs, stop reason "stop" | "length"); prompt logprobs NaN-first."""
     seqs = [pb.SampledSequence(stop_reason=pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH,
                                tokens=np.asarray(toks, dtype=np.int32).tobytes(),
@@ -226,4 +269,9 @@ def encode_sample(sequences: list[tuple[list[int], list[float], str]], prompt_lo
     if prompt_logprobs is not None:
         vals = [math.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(vals, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, lps = topk
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=ids.numpy().astype(np.int32).tobytes(), logprobs=lps.numpy().astype(np.float32).tobytes(),
+            k=int(ids.shape[1]), length=int(ids.shape[0])))
     return out.SerializeToString()

@@ -6,7 +6,9 @@ operation at a time, in each model's ``seq_id`` order. Files live under ``data_d
 * ``{model_id}/weights/{name}/`` — ``save_state``: ``tinker_state.pt`` (adapter weights and,
   for a full save, the AdamW state) plus ``meta.json`` (base model, LoRA layout, seed);
 * ``{model_id}/sampler_weights/{name}/`` — ``save_weights_for_sampler``: the merged weights as
-  an HF directory the engine loads; written once, never changed.
+  an HF directory the engine loads; written once, never changed;
+* ``{model_id}/external_weights/{name}/`` — ``save_weights_external``: the adapter as PEFT saves
+  it (``checkpoints.write_adapter``), its files age-encrypted when the save named recipients.
 
 Their ``tinker://{model_id}/weights/{name}`` paths are what clients see.
 """
@@ -17,17 +19,18 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.tinker_api import wire
+from services.tinker_api.checkpoints import parse_path, write_adapter
 from services.tinker_api.lora_host import STATE_FILE, BaseHost, LoraClient
 from services.tinker_api.losses import UserError, check_loss
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-KINDS = ("weights", "sampler_weights")
 
 
 def check_name(name: str | None, field: str = "path") -> str:
@@ -38,8 +41,10 @@ def check_name(name: str | None, field: str = "path") -> str:
 
 
 class Workshop:
-    def __init__(self, data_dir: Path, device: str = "cpu") -> None:
+    def __init__(self, data_dir: Path, device: str = "cpu", local_dir: Callable[[str], str] = os.path.abspath
+                 ) -> None:
         self.device = device
+        self.local_dir_of = local_dir  # a base model's name -> its local directory
         self.runs = Path(data_dir) / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.hosts: dict[str, BaseHost] = {}
@@ -56,21 +61,17 @@ class Workshop:
 
     def resolve(self, path: str, kind: str) -> Path:
         """A ``tinker://model_id/{kind}/name`` path to its directory; a UserError if it is not one that exists."""
-        if not path.startswith("tinker://"):
-            raise UserError(f"path: {path!r} is not a tinker:// path")
-        parts = path[len("tinker://"):].split("/")
-        if len(parts) != 3 or parts[1] not in KINDS:
-            raise UserError(f"path: {path!r} is not tinker://<model_id>/<weights|sampler_weights>/<name>")
-        if parts[1] != kind:
-            raise UserError(f"path: {path!r} holds {parts[1]}, this call needs {kind}")
-        out = self.local_dir(parts[0], parts[1], parts[2])
+        model_id, held, name = parse_path(path)
+        if kind not in (held, "any"):
+            raise UserError(f"path: {path!r} holds {held}, this call needs {kind}")
+        out = self.local_dir(model_id, held, name)
         if not out.is_dir():
             raise UserError(f"path: no checkpoint at {path}")
         return out
 
     # -- models ---------------------------------------------------------------------------
     def host(self, base_model: str) -> BaseHost:
-        key = os.path.abspath(base_model)
+        key = self.local_dir_of(base_model)
         if key not in self.hosts:
             self.hosts[key] = BaseHost(key, self.device)
         return self.hosts[key]
@@ -124,6 +125,13 @@ class Workshop:
         c = self.client(model_id)
         c.host.export(c.name, out)
         return self.tinker_path(model_id, "sampler_weights", name), out
+
+    def save_external(self, model_id: str, name: str, base_model: str, recipients: list[str] | None
+                      ) -> tuple[str, int]:
+        """The adapter as a PEFT directory (tinker path, bytes written)."""
+        out = self.local_dir(model_id, "external_weights", name)
+        write_adapter(self.client(model_id).state(optimizer=False), base_model, out, recipients)
+        return self.tinker_path(model_id, "external_weights", name), sum(f.stat().st_size for f in out.iterdir())
 
     def checkpoint_meta(self, path: str) -> dict[str, Any]:
         return json.loads((self.resolve(path, "weights") / "meta.json").read_text())
