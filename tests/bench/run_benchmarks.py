@@ -6,8 +6,9 @@ Figures are ratios measured side by side in one run where it matters; ``machine.
 1-minute load when the run started) says how busy the shared box was. The engine's headline is
 ``engine.ratio_vs_batched_generate`` (per concurrency; see ``bench_engine``). ``bench_system`` returns
 whole sections (``system.step_time_ratio_vs_in_process``, ``startup.first_turn_s``,
-``async.step_rate_ratio``), merged at the top level. ``seconds`` gives each benchmark's wall time and the
-total (docs/architecture.md §9).
+``async.step_rate_ratio``) and ``bench_adapter_sync`` the ``weights`` and ``memory`` sections
+(``weights.adapter_sync_bytes_ratio``, ``memory.shared_base_rss_ratio``, ...), merged at the top level.
+``seconds`` gives each benchmark's wall time and the total (docs/architecture.md §9).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_engine",
               "trainer": "tests.bench.bench_trainer",
               "bus": "tests.bench.bench_bus", "tinker_api": "tests.bench.bench_tinker",
-              "durability": "tests.bench.durability_cost", "system": "tests.bench.bench_system"}
-SECTIONS = {"system"}  # these return top-level sections, not figures under their own name
+              "durability": "tests.bench.durability_cost", "system": "tests.bench.bench_system",
+              "adapter_sync": "tests.bench.bench_adapter_sync"}
+SECTIONS = {"system", "adapter_sync"}  # these return top-level sections, not figures under their own name
 
 
 def main() -> None:
