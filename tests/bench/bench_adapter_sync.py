@@ -14,6 +14,9 @@ so the adapter is not the identity) and a real ``python -m services.engine`` pro
 * ``memory.shared_base_rss_ratio``: the resident memory (VmRSS) of one engine started on the base that loaded
   two agents' adapters and generated under each, over the sum of two engines started on the base that each
   loaded one agent's merged version (``/update_weights_from_disk``) and generated: one engine per agent.
+* ``memory.mixed_batch_time_ratio``: on the shared engine, one batch ``/generate`` of ``MIX_ROWS`` prompts
+  (``MIX_NEW`` tokens each) whose rows alternate the two adapters, over the same batch under one adapter;
+  ``adapter_batch_time_ratio``: the batch under one adapter over the bare base (alternated rounds, medians).
 
 Run alone: ``python -m tests.bench.bench_adapter_sync`` (prints the figures as JSON).
 """
@@ -47,6 +50,7 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 TOKEN = "bench-admin-token"
 LORA = LoraConfig(r=8, alpha=16.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+MIX_ROWS, MIX_NEW = 16, 16
 
 
 class EngineProc:
@@ -78,6 +82,14 @@ class EngineProc:
         if resp.status_code != 200:
             raise RuntimeError(f"{route}: HTTP {resp.status_code}: {resp.text[:300]}")
         return resp.json()
+
+    def batch_s(self, loras: list[str | None]) -> float:
+        """Seconds for one batch ``/generate`` with one prompt per entry of ``loras``."""
+        body = {"input_ids": [[1 + i, 2, 3, 4] for i in range(len(loras))], "lora_path": loras,
+                "sampling_params": {"max_new_tokens": MIX_NEW, "ignore_eos": True}}
+        t0 = time.perf_counter()
+        self.post("/generate", body)
+        return time.perf_counter() - t0
 
     def one_token(self, lora: str | None = None) -> None:
         self.post("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1},
@@ -170,6 +182,7 @@ def shared_base_rss(model: Path, work: Path) -> dict[str, float]:
             shared.post("/load_lora_adapter", {"lora_name": a, "lora_path": str(path)})
             shared.one_token(a)
         shared_mb = shared.rss_mb()
+        mixing = mixed_batches(shared)
     finally:
         shared.close()
     per_agent_mb = []
@@ -181,8 +194,22 @@ def shared_base_rss(model: Path, work: Path) -> dict[str, float]:
             per_agent_mb.append(engine.rss_mb())
         finally:
             engine.close()
-    return {"shared_base_rss_ratio": round(shared_mb / sum(per_agent_mb), 3),
+    return {**mixing, "shared_base_rss_ratio": round(shared_mb / sum(per_agent_mb), 3),
             "shared_engine_rss_mb": round(shared_mb, 1), "per_agent_engines_rss_mb": round(sum(per_agent_mb), 1)}
+
+
+def mixed_batches(engine: EngineProc) -> dict[str, float]:
+    """Rows alternating two adapters in one batch against one adapter, and one adapter against the base."""
+    arms: dict[str, list[str | None]] = {"mixed": ["A", "B"] * (MIX_ROWS // 2), "one": ["A"] * MIX_ROWS,
+                                         "base": [None] * MIX_ROWS}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    engine.batch_s(arms["mixed"])  # untimed: the first batch of this size
+    for rnd in range(ROUNDS):
+        for name in (list(arms) if rnd % 2 == 0 else list(reversed(arms))):
+            times[name].append(engine.batch_s(arms[name]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"mixed_batch_time_ratio": round(med["mixed"] / med["one"], 3),
+            "adapter_batch_time_ratio": round(med["one"] / med["base"], 3)}
 
 
 def measure(model: Path) -> tuple[dict[str, float], dict[str, float]]:
