@@ -27,6 +27,10 @@ request runs wholly on one version. When generation is paused (``in_place``), th
 once and the running requests go on with the new weights after ``/continue_generation``; each
 request records the token counts at which its version changed, reported as SGLang's
 ``meta_info.weight_versions`` spans ``[{"version", "start", "end"}]``.
+
+LoRA adapters (``adapters.LoraAdapters``) sit on the resident base under names; a request that names one
+(``GenRequest.lora``, SGLang's ``lora_path``) has it applied to its rows in every forward pass, so one batch
+mixes adapters. An engine built on an adapter directory serves its base with that adapter merged in.
 """
 
 from __future__ import annotations
