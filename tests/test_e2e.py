@@ -12,6 +12,7 @@ reopened afterwards to read the streams.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 
@@ -47,6 +48,9 @@ def run(tmp_path_factory, warm_model_dir):
                   "sampling": {"max_new_tokens": 4}},
         },
     }
+    if os.environ.get("TANDEM_E2E_LORA") == "1":  # the same run with adapter sync (LoRA on both agents)
+        for acfg in cfg["agents"].values():
+            acfg["lora"] = {"r": 4, "alpha": 8}
     cfg_path = d / "e2e.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     log = open(d / "launcher.log", "wb")

@@ -8,6 +8,9 @@ Asserted: the run finishes every step of both agents; the audit of the run's AOF
 every sample the buffer acknowledged trained exactly once or in a dropped/abandoned group with its reason
 (or unused when the run ended); weight versions are 1..total_steps; ``summary.json`` counts the restarts.
 
+``TANDEM_FAULT_LORA=1`` runs the same with LoRA on both agents (adapter sync: the engines load each version
+with ``/load_lora_adapter`` and the turns name it).
+
 Printed: per service kind, the seconds from the SIGKILL to the run's progress again: the first sample
 *published after the kill* that the buffer acknowledged, and the next training step.
 """
@@ -52,6 +55,8 @@ def write_config(d: Path, model: Path) -> Path:
     data["environment"]["eval"]["episodes"] = 8
     for acfg in data["agents"].values():
         acfg.update(model_path=str(model), groups_per_batch=2)
+        if os.environ.get("TANDEM_FAULT_LORA") == "1":
+            acfg["lora"] = {"r": 4, "alpha": 8}
     path = d / f"{RUN}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

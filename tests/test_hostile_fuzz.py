@@ -21,11 +21,13 @@ every new group) with A at version 2 and B's first groups waiting undelivered. M
   (the run must still train every step of A: the coordinator takes versions from their owners' records).
 
 B's buffer is then restarted (as a supervisor would) and the run must complete every step.
+``TANDEM_HOSTILE_LORA=1`` runs it with LoRA on both agents (adapter sync: each version is the adapter alone).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -72,6 +74,8 @@ def _wait(predicate, timeout: float, what: str):
 
 def write_config(d: Path, port: int, model: Path) -> Path:
     agent = {"model_path": str(model), "groups_per_batch": 2, "max_staleness": 1, "sampling": {"max_new_tokens": 4}}
+    if os.environ.get("TANDEM_HOSTILE_LORA") == "1":  # the same run with adapter sync (LoRA on both agents)
+        agent["lora"] = {"r": 4, "alpha": 8}
     cfg = {"run": {"name": RUN, "total_steps": TOTAL_STEPS, "concurrent_episodes": 8,
                    "checkpoint_root": str(d / "ckpt"), "output_dir": str(d / "runs"), "trim_interval_s": 0},
            "api": {"port": port, "token": TOKEN},

@@ -1,4 +1,4 @@
-"""LoRA on the torch backend: only adapters train, the engines get a merged HF directory, state round-trips."""
+"""LoRA on the torch backend: only adapters train, the engines get the adapter alone, state round-trips."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from services.contracts.config import AgentConfig, AlgorithmConfig, LoraConfig
 from services.contracts.messages import Sample
+from services.inference.adapters import merge, read_adapter
 from services.training.backends import make_policy
 from services.training.torch_backend import TorchPolicy, pad_batch
 from tests.helpers import completion_sample
@@ -27,7 +28,7 @@ def policy(model_dir: Path, seed: int = 0, **algo) -> TorchPolicy:
                                    algorithm=AlgorithmConfig(lr=0.05, **algo)), 1.0)
 
 
-def test_only_adapters_train_and_the_merged_export_loads(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_only_adapters_train_and_the_adapter_export_loads(tiny_model_dir: Path, tmp_path: Path) -> None:
     p = policy(tiny_model_dir)
     before = {n: t.detach().clone() for n, t in p.model.named_parameters()}
     trainable = [n for n, t in p.model.named_parameters() if t.requires_grad]
@@ -40,9 +41,10 @@ def test_only_adapters_train_and_the_merged_export_loads(tiny_model_dir: Path, t
 
     out, checksum = p.save(tmp_path / "v00001")
     assert len(checksum) == 64
-    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert sorted(f.name for f in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    assert not any("lora" in k for k in merged.state_dict())
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    merge(merged, read_adapter(merged, "v1", str(out)))  # what an engine built on the directory serves
     b = pad_batch(batch(), p.pad_id)
     with torch.no_grad():
         m_logits = merged(input_ids=b["input_ids"]).logits

@@ -152,12 +152,30 @@ def test_request_models_are_sglang_fields(sgl: Path) -> None:
     assert set(api.PauseGenerationReqInput.model_fields) <= _fields(io, "PauseGenerationReqInput")
     assert _literal_values(io, "PauseGenerationReqInput", "mode") == {"abort", "retract", "in_place"}
     assert set(api.ContinueGenerationReqInput.model_fields) <= _fields(io, "ContinueGenerationReqInput")
+    assert set(api.LoadLoRAAdapterReqInput.model_fields) <= _fields(io, "LoadLoRAAdapterReqInput")
+    assert set(api.UnloadLoRAAdapterReqInput.model_fields) <= _fields(io, "UnloadLoRAAdapterReqInput")
+    assert set(api.LoRAUpdateOutput.model_fields) <= _fields(io, "LoRAUpdateOutput")
+    assert "lora_path" in api.GenerateReqInput.model_fields
+
+
+def test_lora_engine_flags_are_sglang_server_args(sgl: Path) -> None:
+    """The flags an SGLang engine of a LoRA agent is started with (commands.py) are SGLang server args."""
+    from services.contracts.config import AgentConfig, LoraConfig
+    from services.rollout.commands import engine_command
+
+    order = (sgl / "arg_groups" / "field_order.py").read_text()
+    cmd = engine_command(AgentConfig(model_path="m", engine="sglang", lora=LoraConfig()), "A", 0, 30000)
+    flags = [a for a in cmd if a.startswith("--enable-lora") or a.startswith("--max-lora") or a.startswith("--lora")]
+    assert flags == ["--enable-lora", "--max-lora-rank", "--lora-target-modules"]
+    for flag in flags:
+        assert f'"{flag[2:].replace("-", "_")}"' in order, flag
 
 
 def test_engine_serves_sglang_routes(sgl: Path, app: FastAPI) -> None:
     theirs = _routes(_tree(sgl / "entrypoints" / "http_server.py"))
     design = {"/health", "/health_generate", "/get_model_info", "/get_server_info", "/generate",
-              "/update_weights_from_disk", "/get_weight_version", "/flush_cache", "/pause_generation",
+              "/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter", "/get_weight_version",
+              "/flush_cache", "/pause_generation",
               "/continue_generation", "/abort_request", "/model_info", "/server_info"}
     ours = {getattr(r, "path", "") for r in app.routes}
     assert design <= ours, design - ours

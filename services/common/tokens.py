@@ -19,6 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from services.common.adapter_dir import base_of
+
 log = logging.getLogger("tandem.tokens")
 
 
@@ -43,6 +45,7 @@ def _json(path: Path) -> dict[str, Any]:
 def load_tokenizer(model_path: str) -> Any:
     """The tokenizer ``AutoTokenizer.from_pretrained(model_path)`` loads, without importing torch when
     the directory holds a ``tokenizer.json`` of a known kind (``_TORCH_FREE``); else AutoTokenizer's."""
+    model_path = base_of(model_path)  # an adapter directory: its base's tokenizer
     root = Path(model_path)
     tok_cfg, model_type = _json(root / "tokenizer_config.json"), _json(root / "config.json").get("model_type")
     name = _TORCH_FREE.get((model_type, tok_cfg.get("tokenizer_class")))
@@ -60,6 +63,7 @@ def context_length(model_path: str) -> int:
     """A model's context window (a prompt that reaches it ends the episode as truncated): its config's
     ``max_position_embeddings`` as ``AutoConfig`` reads it; read from config.json, without torch, when
     it is written there."""
+    model_path = base_of(model_path)  # an adapter directory: its base's window
     size = _json(Path(model_path) / "config.json").get("max_position_embeddings")
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size

@@ -138,7 +138,8 @@ class TrainerConfig(DeviceConfig):
 
 
 class LoraConfig(Strict):
-    """LoRA adapters (torch backend, peft) on a frozen base; engines receive the merged weights."""
+    """LoRA adapters (torch backend, peft) on a frozen base; each version goes to the engines as the adapter alone
+    (PEFT format), loaded on their resident base (/load_lora_adapter) and named per request (lora_path)."""
 
     r: int = Field(8, ge=1, description="the adapters' rank")
     alpha: float = Field(16.0, gt=0, description="the LoRA scaling numerator (scale = alpha / r)")

@@ -1,7 +1,8 @@
 """The SGLang native HTTP API (docs/architecture.md §5) as Tandem speaks it.
 
 Field names follow SGLang's own request structs (``GenerateReqInput``,
-``UpdateWeightFromDiskReqInput``) and its ``/generate`` reply. The embedded
+``UpdateWeightFromDiskReqInput``, ``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``) and its
+``/generate`` reply. The embedded
 engine serves these models; the rollout service sends and parses them, so the
 same rollout code drives SGLang on GPU and the embedded engine on CPU.
 """
@@ -38,6 +39,8 @@ class GenerateReqInput(BaseModel):
     return_logprob: bool = False
     rid: str | None = None
     stream: Literal[False] = False
+    lora_path: str | None = Field(None, min_length=1, description="the loaded adapter's name (SGLang's field "
+                                  "name); None: the base model")
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
@@ -105,6 +108,30 @@ class UpdateWeightFromDiskReqOutput(BaseModel):
     success: bool
     message: str
     num_paused_requests: int = 0
+
+
+class LoadLoRAAdapterReqInput(BaseModel):
+    """``/load_lora_adapter``: serve the PEFT adapter directory ``lora_path`` as ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+
+
+class LoRAUpdateOutput(BaseModel):
+    """SGLang's answer to both adapter routes (200 on success, 400 otherwise)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
 
 
 class AbortReqInput(BaseModel):

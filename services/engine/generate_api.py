@@ -34,7 +34,7 @@ ROUTER_FIELDS: dict[str, tuple[Any, ...] | None] = {
     "return_entropy": (False,), "logprob_start_len": None, "top_logprobs_num": (None, 0),
     "custom_labels": None,
 }
-_PER_PROMPT = ("sampling_params", "rid", "return_logprob")
+_PER_PROMPT = ("sampling_params", "rid", "return_logprob", "lora_path")
 # Request ids when the caller gives none: unique per process, without a urandom syscall per request
 # (a syscall on the event loop gives the GIL to the model thread, and getting it back waits).
 _RID_PREFIX = uuid.uuid4().hex[:16]
@@ -133,7 +133,8 @@ def _samples(req_in: GenerateReqInput, engine: Engine) -> list[GenRequest]:
     return [GenRequest(rid=rid if sp.n == 1 else f"{rid}-{i}", input_ids=ids, temperature=sp.temperature,
                        top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
                        stop_token_ids=frozenset(sp.stop_token_ids or ()), stop_strings=stop,
-                       seed=None if sp.sampling_seed is None else sp.sampling_seed + i, ignore_eos=sp.ignore_eos)
+                       seed=None if sp.sampling_seed is None else sp.sampling_seed + i, ignore_eos=sp.ignore_eos,
+                       lora=req_in.lora_path)
             for i in range(sp.n)]
 
 

@@ -4,7 +4,8 @@
 device, dtype, engine_options)`` loads the model (on the CPU, or a GPU: ``embedded.device`` / ``embedded.dtype``)
 and returns a FastAPI app serving ``/health``, ``/health_generate``,
 ``/get_model_info`` (+ ``/model_info``), ``/get_server_info`` (+ ``/server_info``),
-``/get_load``, ``/generate``, ``/update_weights_from_disk``, ``/get_weight_version``,
+``/get_load``, ``/generate``, ``/update_weights_from_disk``, ``/load_lora_adapter``,
+``/unload_lora_adapter``, ``/get_weight_version``,
 ``/flush_cache``, ``/pause_generation``, ``/continue_generation`` and
 ``/abort_request``. The ``model_info``/``server_info`` aliases and ``/get_load``
 are what the SGLang router (sglang-router 0.3.2) reads when it registers and
@@ -19,7 +20,11 @@ field is rejected. ``/generate`` itself (single and batch bodies, orjson in and 
 (prefills, decode steps, requests that joined or left a running batch, prompt tokens prefilled and taken
 from the prefix cache, and the prefix cache's hits, misses, evictions and size).
 
-The admin routes (``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``,
+LoRA adapters (services/inference/adapters.py) load on the resident base under a name, and a ``/generate``
+body's ``lora_path`` names the adapter a prompt runs under; unloading waits for the requests that name it.
+
+The admin routes (``/update_weights_from_disk``, ``/load_lora_adapter``, ``/unload_lora_adapter``,
+``/flush_cache``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``) need the run's admin token as a bearer token
 (``admin_token``: the rollout gives it through ``$TANDEM_ADMIN_TOKEN``, services/common/admin_token.py;
 compared in constant time) and answer 401 otherwise; without a token they are closed to every caller.
@@ -49,7 +54,10 @@ from services.common.weights_auth import WeightsProof, load_refusal
 from services.contracts.sglang_api import (
     AbortReqInput,
     ContinueGenerationReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     error_body,
@@ -228,6 +236,8 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer:
                                             message=f"loaded {body.model_path} as version {loaded}")
         return JSONResponse(out.model_dump())
 
+    _adapter_routes(app, engine, admin, signer)
+
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
     async def flush_cache() -> PlainTextResponse:
         # As SGLang: not performed while requests run or wait; empties the prefix cache.
@@ -258,3 +268,45 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer:
         if not body.rid and not body.abort_all:
             raise EngineError("give a rid or abort_all=true")
         return {"success": True, "num_aborted": engine.abort(body.rid, body.abort_all)}
+
+
+def _adapter_routes(app: FastAPI, engine: Engine, admin: list[Any], signer: tuple[bytes, str] | None) -> None:
+    """SGLang's ``/load_lora_adapter`` and ``/unload_lora_adapter``: 200 with ``LoRAUpdateOutput``, 400 on failure.
+    With ``signer`` an adapter loads only as ``{agent}-v{version}`` of a version the agent's trainer signed (403)."""
+
+    def answer(error: str | None = None, status: int = 400) -> JSONResponse:
+        loaded = {n: a.path for n, a in engine.adapters.loaded.items()}
+        out = LoRAUpdateOutput(success=error is None, error_message=error, loaded_adapters=loaded)
+        return JSONResponse(out.model_dump(), status_code=200 if error is None else status)
+
+    @app.post("/load_lora_adapter", dependencies=admin)
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body: LoadLoRAAdapterReqInput = await _parse(request, LoadLoRAAdapterReqInput)
+        if signer is not None and (why := await asyncio.to_thread(
+                adapter_refusal, signer, body, WeightsProof.from_headers(request.headers))):
+            return answer(f"refused: {why}", 403)
+        try:
+            await engine.adapters.load(body.lora_name, body.lora_path)
+        except EngineError as exc:
+            return answer(f"failed to load adapter {body.lora_name!r}: {exc}")
+        return answer()
+
+    @app.post("/unload_lora_adapter", dependencies=admin)
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body: UnloadLoRAAdapterReqInput = await _parse(request, UnloadLoRAAdapterReqInput)
+        try:
+            await engine.adapters.unload(body.lora_name, engine.names_adapter)
+        except EngineError as exc:
+            return answer(str(exc))
+        return answer()
+
+
+def adapter_refusal(signer: tuple[bytes, str], body: LoadLoRAAdapterReqInput, proof: WeightsProof | None) -> str | None:
+    """Why an adapter load is refused: its name must be ``{agent}-v{version}`` and the version one the agent's
+    trainer signed (``weights_auth.load_refusal``); None to load it."""
+    secret, agent = signer
+    prefix = f"{agent}-v"
+    tail = body.lora_name[len(prefix):] if body.lora_name.startswith(prefix) else ""
+    if not tail.isdigit():
+        return f"adapter name {body.lora_name!r} is not {prefix}<version>: this engine serves agent {agent!r}"
+    return load_refusal(secret, agent, int(tail), body.lora_path, proof)

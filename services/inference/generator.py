@@ -28,6 +28,10 @@ request runs wholly on one version. When generation is paused (``in_place``), th
 once and the running requests go on with the new weights after ``/continue_generation``; each
 request records the token counts at which its version changed, reported as SGLang's
 ``meta_info.weight_versions`` spans ``[{"version", "start", "end"}]``.
+
+LoRA adapters (``adapters.LoraAdapters``) sit on the resident base under names; a request that names one
+(``GenRequest.lora``, SGLang's ``lora_path``) has it applied to its rows in every forward pass, so one batch
+mixes adapters. An engine built on an adapter directory serves its base with that adapter merged in.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.adapter_dir import base_of, is_adapter_dir
 from services.common.devices import dtype_of, resolve
 from services.common.latency import LatencyWindow
+from services.inference.adapters import LoraAdapters, merge, read_adapter
 from services.inference.batch import RunningBatch
 from services.inference.prefix_cache import PrefixCache, prefill_inputs, row_kv, sequence_tokens
 from services.inference.request import Completion, EngineError, GenRequest, resolve_all
@@ -70,9 +76,13 @@ class Engine:
         torch.set_num_threads(1)
         self.model_path = str(model_path)
         self.device = resolve(device, "embedded.device")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype_of(dtype))
+        base = base_of(self.model_path)  # an adapter directory: its base, with the adapter merged in
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype_of(dtype))
         self.model = model.to(self.device).eval()
+        if is_adapter_dir(self.model_path):
+            merge(self.model, read_adapter(self.model, "merged", self.model_path))
+        self.adapters = LoraAdapters(self.model)  # named adapters chosen per request (lora_path)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
@@ -110,6 +120,7 @@ class Engine:
         """Raise EngineError when the request cannot be served."""
         if not req.input_ids:
             raise EngineError("input_ids is empty")
+        self.adapters.check(req.lora)
         bad = [t for t in [*req.input_ids, *req.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineError(f"token id {bad[0]} out of vocabulary (size {self.vocab_size})")
@@ -185,6 +196,11 @@ class Engine:
             reqs = self._queue + self._batch.rows + self._batch.joining
             tokens = sum(len(r.input_ids) + len(r.output_ids) for r in reqs)
             return {"num_reqs": len(reqs), "num_waiting_reqs": len(self._queue), "num_tokens": tokens}
+
+    def names_adapter(self, name: str) -> bool:
+        """Whether a queued or running request is generated under the adapter ``name``."""
+        with self._cv:
+            return any(r.lora == name for r in (*self._queue, *self._batch.rows, *self._batch.joining))
 
     def stop(self) -> None:
         with self._cv:
@@ -296,7 +312,7 @@ class Engine:
                 continue
             kv, tokens = row_kv(b.cache, b.mask, i), sequence_tokens(r)
             if kv and kv[0][0].shape[1] == len(tokens):
-                self.prefix.store(tokens, kv)
+                self.prefix.store(tokens, kv, r.lora)
 
     def _step(self, admit: list[GenRequest]) -> None:
         self.step_started_at = time.monotonic()
@@ -315,8 +331,9 @@ class Engine:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         b = self._batch
-        out = self.model(input_ids=b.last_tokens[:, None], attention_mask=b.decode_mask(),
-                         position_ids=b.next_pos[:, None], past_key_values=b.cache, use_cache=True)
+        with self.adapters.rows([r.lora for r in b.rows], self.device):
+            out = self.model(input_ids=b.last_tokens[:, None], attention_mask=b.decode_mask(),
+                             position_ids=b.next_pos[:, None], past_key_values=b.cache, use_cache=True)
         b.advance()
         self.stats["decode_steps"] += 1
         self.last_step_at = time.monotonic()
@@ -343,8 +360,9 @@ class Engine:
         self.stats["prefill_tokens"] += sum(p.new)
         self.stats["cached_tokens"] += sum(p.cached)
         mask, pos = p.mask, p.pos
-        out = self.model(input_ids=p.ids, attention_mask=mask, position_ids=pos, past_key_values=p.cache,
-                         use_cache=True, logits_to_keep=1)  # the last position's logits only (the LM head's work)
+        with self.adapters.rows([r.lora for r in live], self.device):  # the last position's logits only
+            out = self.model(input_ids=p.ids, attention_mask=mask, position_ids=pos, past_key_values=p.cache,
+                             use_cache=True, logits_to_keep=1)
         toks, lps = self._sample(out.logits[:, -1, :].float(), live)
         with self._cv:
             self.stats["joined_running"] += len(live) if self._batch.rows else 0

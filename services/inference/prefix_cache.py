@@ -33,6 +33,7 @@ class _Entry:
     tokens: torch.Tensor  # [length] int64, on the CPU
     kv: KV
     nbytes: int
+    adapter: str | None  # the LoRA adapter the KV was computed under (None: the base); never shared across
 
 
 @dataclass
@@ -71,15 +72,17 @@ class PrefixCache:
         self._entries.clear()
         self.nbytes = 0
 
-    def store(self, tokens: list[int], kv: KV) -> None:
-        """Keep ``kv`` (the KV of exactly ``tokens``); drop entries it extends; evict down to the bound."""
+    def store(self, tokens: list[int], kv: KV, adapter: str | None = None) -> None:
+        """Keep ``kv`` (the KV of exactly ``tokens`` under ``adapter``); drop entries it extends; evict down to
+        the bound."""
         nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
         if not self.enabled or not tokens or nbytes > self.max_bytes:
             return
         t = torch.tensor(tokens, dtype=torch.long)
-        for key in [k for k, e in self._entries.items() if len(e.tokens) <= len(t) and _is_prefix(e.tokens, t)]:
+        for key in [k for k, e in self._entries.items()
+                    if e.adapter == adapter and len(e.tokens) <= len(t) and _is_prefix(e.tokens, t)]:
             self.nbytes -= self._entries.pop(key).nbytes
-        self._entries[self._next] = _Entry(t, kv, nbytes)
+        self._entries[self._next] = _Entry(t, kv, nbytes, adapter)
         self._next += 1
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
@@ -87,16 +90,16 @@ class PrefixCache:
             self.nbytes -= gone.nbytes
             self.stats["evicted"] += 1
 
-    def lookup(self, tokens: list[int]) -> tuple[int, KV | None]:
-        """The longest stored prefix of ``tokens`` (at most all but the last token: its logits are needed)
-        and its KV; ``(0, None)`` when nothing matches."""
+    def lookup(self, tokens: list[int], adapter: str | None = None) -> tuple[int, KV | None]:
+        """The longest stored prefix of ``tokens`` under the same ``adapter`` (at most all but the last token:
+        its logits are needed) and its KV; ``(0, None)`` when nothing matches."""
         if not self._entries or len(tokens) < 2:
             self.stats["misses"] += 1
             return 0, None
         t = torch.tensor(tokens[:-1], dtype=torch.long)
         best, best_key = 0, -1
         for key, e in self._entries.items():
-            n = _common_prefix(e.tokens, t)
+            n = _common_prefix(e.tokens, t) if e.adapter == adapter else 0
             if n > best:
                 best, best_key = n, key
         if best == 0:
@@ -132,7 +135,7 @@ def sequence_tokens(req: Any) -> list[int]:
 
 def prefill_inputs(reqs: list[Any], store: PrefixCache, pad_id: int, device: torch.device | str) -> PrefillInputs:
     """The prefill batch of ``reqs``: each row's longest stored prefix comes from ``store``, the rest is fed."""
-    found = [store.lookup(r.input_ids) if store.enabled else (0, None) for r in reqs]
+    found = [store.lookup(r.input_ids, getattr(r, "lora", None)) if store.enabled else (0, None) for r in reqs]
     cached = [n for n, _ in found]
     new = [len(r.input_ids) - n for r, (n, _) in zip(reqs, found, strict=True)]
     c_width, n_width = max(cached), max(new)

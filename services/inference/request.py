@@ -52,6 +52,7 @@ class GenRequest:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    lora: str | None = None  # the loaded adapter it is generated under (SGLang's lora_path); None: the base
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None

@@ -4,7 +4,8 @@
 ``engine: embedded``  -> ``python -m services.engine --model-path M --port P --engine-id A-i --agent A --device D
                           --dtype T`` (it loads only A's signed versions: services/common/weights_auth.py)
 ``engine: sglang``    -> ``python -m sglang.launch_server --model-path M --host H --port P --tp-size T
-                          --mem-fraction-static F --base-gpu-id G [extra_args...]``
+                          --mem-fraction-static F --base-gpu-id G [--enable-lora --max-lora-rank R
+                          --lora-target-modules M...] [extra_args...]``
 where engine i of an agent uses GPUs ``base_gpu_id + i*tp_size`` .. ``+ tp_size - 1``.
 """
 
@@ -25,6 +26,8 @@ def engine_command(acfg: AgentConfig, agent: str, index: int, port: int, host: s
                 "--prefix-cache-mb", str(acfg.embedded.prefix_cache_mb),
                 *(["--step-delay-ms", str(acfg.embedded.step_delay_ms)] if acfg.embedded.step_delay_ms else [])]
     sg = acfg.sglang
+    lora = ([] if acfg.lora is None else  # adapters load at run time (/load_lora_adapter): declare their shape
+            ["--enable-lora", "--max-lora-rank", str(acfg.lora.r), "--lora-target-modules", *acfg.lora.target_modules])
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", acfg.model_path, "--host", host,
             "--port", str(port), "--tp-size", str(sg.tp_size), "--mem-fraction-static", str(sg.mem_fraction_static),
-            "--base-gpu-id", str(sg.base_gpu_id + index * sg.tp_size), *sg.extra_args]
+            "--base-gpu-id", str(sg.base_gpu_id + index * sg.tp_size), *lora, *sg.extra_args]

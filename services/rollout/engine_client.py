@@ -1,8 +1,9 @@
 """Async client the rollout service uses to talk to an agent's inference engines.
 
-Generation goes through the agent's SGLang router (``POST {router}/generate``);
-weight updates go to each engine directly (``/update_weights_from_disk``), since
-the router does not fan them out. The same client drives SGLang on GPU and
+Generation goes through the agent's SGLang router (``POST {router}/generate``, with ``lora_path`` naming
+the adapter to generate under when the agent trains LoRA); weight updates go to each engine directly
+(``/update_weights_from_disk``, or ``/load_lora_adapter`` and ``/unload_lora_adapter`` for an adapter),
+since the router does not fan them out. The same client drives SGLang on GPU and
 the embedded engine on CPU: replies are parsed with the SGLang contract models.
 
 With the run's admin token (``token``: services/common/admin_token.py) every call carries it as a bearer
@@ -27,6 +28,9 @@ from services.common.weights_auth import WeightsProof
 from services.contracts.messages import FinishReason
 from services.contracts.sglang_api import (
     GenerateReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
@@ -124,19 +128,21 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise EngineClientError(f"POST {url} failed: {exc!r}") from exc
 
-    async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str) -> GenerateResult:
-        """Generate through the router; the logprobs are those of the sampled tokens."""
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str,
+                       lora: str | None = None) -> GenerateResult:
+        """Generate through the router (under the loaded adapter ``lora``, when given); the logprobs are those of
+        the sampled tokens."""
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling), "return_logprob": True,
-                "rid": rid}
+                "rid": rid} | ({"lora_path": lora} if lora is not None else {})
         return _result(await self._generate_call(body, rid), rid)
 
     async def generate_batch(self, prompts: list[list[int]], sampling: dict[str, Any],
-                             rid: str) -> list[GenerateResult | EngineClientError]:
+                             rid: str, lora: str | None = None) -> list[GenerateResult | EngineClientError]:
         """One batch ``/generate`` (SGLang's: a list of prompts, one shared ``sampling_params``; the router
         takes no per-prompt parameters) with request ids ``{rid}_{i}``; per prompt its result, or the error
         its item alone came back with (the call's own failure raises ``EngineClientError``)."""
         body = {"input_ids": [list(p) for p in prompts], "sampling_params": dict(sampling), "return_logprob": True,
-                "rid": rid}
+                "rid": rid} | ({"lora_path": lora} if lora is not None else {})
         items = await self._generate_call(body, rid)
         if not isinstance(items, list) or len(items) != len(prompts):
             got = f"{len(items)} replies" if isinstance(items, list) else type(items).__name__
@@ -180,6 +186,28 @@ class EngineClient:
             raise EngineClientError(f"{url}: HTTP {resp.status_code}: {_error_message(resp)}") from None
         if not out.success:
             raise EngineClientError(f"{url}: weights {model_path} v{version} not loaded: {out.message}")
+
+    async def load_adapter(self, engine_url: str, name: str, path: str, proof: WeightsProof | None = None) -> None:
+        """Load the adapter directory ``path`` into one engine as ``name`` (with the trainer's ``proof``, which the
+        engine checks); raise unless it reports success."""
+        body = LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(path))
+        await self._adapter_call(f"{engine_url.rstrip('/')}/load_lora_adapter", body.model_dump(),
+                                 proof.headers() if proof else None)
+
+    async def unload_adapter(self, engine_url: str, name: str) -> None:
+        """Unload the adapter ``name`` from one engine (it waits for the requests that name it)."""
+        body = UnloadLoRAAdapterReqInput(lora_name=name)
+        await self._adapter_call(f"{engine_url.rstrip('/')}/unload_lora_adapter", body.model_dump())
+
+    async def _adapter_call(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        resp = await self._post(url, body, headers)
+        try:
+            out = LoRAUpdateOutput.model_validate(resp.json())
+        except (ValueError, ValidationError):
+            raise EngineClientError(f"{url}: HTTP {resp.status_code}: {_error_message(resp)}",
+                                    resp.status_code) from None
+        if not out.success or resp.status_code != 200:
+            raise EngineClientError(f"{url}: {body['lora_name']}: {out.error_message}", resp.status_code)
 
     async def get_weight_version(self, engine_url: str) -> int:
         """From ``/get_model_info`` (SGLang 0.5.23 serves no ``/get_weight_version``; ours does too)."""

@@ -14,6 +14,11 @@ with it again (on the fleet's latest version); generation that failed meanwhile 
 rollout. ``load_weights`` and re-registration share one lock, so a restarted engine can never
 rejoin on an older version than the rest.
 
+A version that is a LoRA adapter directory (the trainer's export under ``lora``) is loaded with
+``/load_lora_adapter`` instead, on the resident base (``services/rollout/adapters.py``): ``sync`` says
+which adapters every engine holds and which one turns are generated under; a restarted engine loads the
+kept ones before it is registered.
+
 The fleet makes the run's admin token (``services/common/admin_token.py``, or takes ``$TANDEM_ADMIN_TOKEN``)
 and gives it to its engines through their environment and to the router as its API keys; every admin
 call it makes carries it (docs/architecture.md §2.3).
@@ -30,10 +35,12 @@ from typing import Any
 
 import httpx
 
+from services.common.adapter_dir import is_adapter_dir
 from services.common.latency import LatencyWindow
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
 from services.common.weights_auth import WeightsProof
 from services.contracts.config import AgentConfig
+from services.rollout.adapters import AdapterSync
 from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
 from services.rollout.spawn import Proc, Spawned, plan, spawn
@@ -55,6 +62,7 @@ class ManagedEngine:
     weight_version: int = 0
     load: dict[str, Any] = field(default_factory=dict)
     last_ok: float = field(default_factory=time.monotonic)  # when it last passed a health check (or started)
+    adapters: set[str] = field(default_factory=set)  # the LoRA adapters it holds, by name
 
     @property
     def url(self) -> str:
@@ -87,6 +95,7 @@ class EngineFleet:
         self._http = httpx.AsyncClient(timeout=health_timeout)
         self.probe_seconds = LatencyWindow()  # /health_generate answers: the health timeout follows them
         self._client = EngineClient(self.router_url, timeout=300.0, token=self.token)
+        self.sync = AdapterSync(agent, self._client)
 
     def _spawn(self, cmd: list[str]) -> Proc:
         return spawn(cmd, self.token)
@@ -143,11 +152,19 @@ class EngineFleet:
 
     async def _register(self, e: ManagedEngine) -> None:
         async with self._lock:  # the latest version first, then traffic
-            if self.latest is not None and e.weight_version != self.latest[1]:
-                await self._client.update_weights(e.url, *self.latest, self.latest_proof)
+            if self.latest is not None and (e.weight_version != self.latest[1] or self.sync.missing(e.adapters)):
+                await self._apply(e, *self.latest, self.latest_proof)
                 e.weight_version = self.latest[1]
             await add_worker(self.router_url, e.url, timeout=60, token=self.token)
             e.registered, e.failures = True, 0
+
+    async def _apply(self, e: ManagedEngine, path: str, version: int, proof: WeightsProof | None) -> None:
+        """Put engine ``e`` on ``version``: an adapter (with every kept one) on its base, or full weights."""
+        if is_adapter_dir(path):
+            await self.sync.catch_up(e.url, e.adapters)
+            await self.sync.load(e.url, e.adapters, path, version, proof)
+        else:
+            await self._client.update_weights(e.url, path, version, proof)
 
     async def _deregister(self, e: ManagedEngine) -> None:
         if e.registered:
@@ -167,7 +184,7 @@ class EngineFleet:
         on-policy agent stall meanwhile). An engine that answers but refuses the weights fails the update."""
         async with self._lock:
             live = [e for e in self.engines if e.registered]
-            results = await asyncio.gather(*(self._client.update_weights(e.url, path, version, proof) for e in live),
+            results = await asyncio.gather(*(self._apply(e, path, version, proof) for e in live),
                                            return_exceptions=True)
             lost = [e for e, r in zip(live, results, strict=True) if isinstance(r, BaseException) and _died(e, r)]
             refused = [r for e, r in zip(live, results, strict=True) if isinstance(r, BaseException) and e not in lost]
@@ -177,6 +194,9 @@ class EngineFleet:
             loaded = [e for e in live if e not in lost]
             for e in loaded:
                 e.weight_version = version
+            if is_adapter_dir(path):  # turns go under it from now on; versions beyond the kept ones go
+                old = self.sync.record(path, version, proof)
+                await asyncio.gather(*(self.sync.unload(e.url, e.adapters, old) for e in loaded))
             for e in lost:
                 log.warning("engine %s died while loading version %d: it loads it when it rejoins", e.url, version)
                 await self._deregister(e)
@@ -271,6 +291,7 @@ class EngineFleet:
             await e.proc.wait()
         e.restarts += 1
         e.weight_version, e.load, e.last_ok = 0, {}, time.monotonic()
+        e.adapters.clear()
         while True:
             try:
                 await self._boot(e)

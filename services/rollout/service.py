@@ -14,7 +14,8 @@ passed on: the requester gets an error reply and the turn is rejected with the r
 weights from ``weights:{agent}`` are loaded on every engine, then ``weights_loaded`` is published; only
 an authentic update is loaded (signed with the run's secret, a version the trainer committed, files that
 match its checksum: ``weights_auth.refusal``), anything else is rejected with the reason and the engines
-keep the weights they had.
+keep the weights they had. A LoRA version (an adapter directory) is loaded on the engines' resident base
+(``adapters.AdapterSync``), and every turn is then sent naming it (``lora_path``) and records its version.
 ``report_load``: every ``LOAD_EVERY_S`` the queue depth and per-engine load go to ``events`` as
 ``rollout_load``.
 """
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable
 
 import httpx
 
+from services.common.adapter_dir import is_adapter_dir
 from services.common.admin_token import token_from_env
 from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
@@ -42,6 +45,7 @@ from services.contracts.messages import (
     WeightsLoaded,
     WeightsUpdate,
 )
+from services.rollout.adapters import AdapterSync
 from services.rollout.batcher import TurnBatcher
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
 from services.rollout.fleet import EngineFleet
@@ -66,6 +70,9 @@ class RolloutService:
         self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
                                    max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
+        # the adapters the engines hold (the fleet's, or for an external router's workers: ``held`` per url)
+        self.sync = fleet.sync if fleet is not None else AdapterSync(agent, self.client)
+        self.held: dict[str, set[str]] = {}
 
     @classmethod
     async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None,
@@ -73,7 +80,9 @@ class RolloutService:
         """With no ``router_url``, start the agent's router and engines (or adopt those ``early`` started) and
         put them on the loaded version."""
         if router_url is not None:
-            return cls(cfg, agent, bus, router_url)
+            service = cls(cfg, agent, bus, router_url)
+            await service.resume_serving()
+            return service
         fleet = EngineFleet(agent, cfg.agents[agent], early=early)
         try:
             await fleet.start()
@@ -136,10 +145,15 @@ class RolloutService:
             {"sampling_seed": req.sampling.seed} if req.sampling.seed is not None else {})
         for attempt in range(RETRIES):
             try:
+                served = self.sync.serving()  # the adapter this attempt is generated under (None: the base)
                 async with self.limiter:
-                    res = await self.batcher.generate(req.input_ids, sampling, rid=req.id)
+                    res = await self.batcher.generate(req.input_ids, sampling, rid=req.id,
+                                                      lora=served.name if served else None)
                 if res.finish_reason == "abort":  # aborted on the engine (e.g. it died): not a trajectory
                     raise EngineClientError(f"generate {req.id}: aborted: {res.finish_message}")
+                if served is not None:  # exactly the adapter version it was sent under
+                    res = dataclasses.replace(res, weight_version=served.version,
+                                              weight_versions=((served.version, 0, len(res.output_ids)),))
                 return res
             except EngineClientError as exc:
                 if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
@@ -177,8 +191,10 @@ class RolloutService:
             engines = await self.fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
         else:
             engines = await list_workers(self.router_url, token=self.token)
-            await asyncio.gather(*(self.client.update_weights(url, w.path, w.weight_version, WeightsProof.of(w))
-                                   for url in engines))
+            await asyncio.gather(*(self.load_on(url, w) for url in engines))
+            if is_adapter_dir(w.path):
+                old = self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
+                await asyncio.gather(*(self.sync.unload(url, self.held.setdefault(url, set()), old) for url in engines))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.weight_version} on")
         async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -188,6 +204,24 @@ class RolloutService:
         await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent,
                                                        weight_version=w.weight_version, engines=engines, path=w.path))
         log.info("version %d loaded on %d engine(s)", w.weight_version, len(engines))
+
+    async def load_on(self, url: str, w: WeightsUpdate) -> None:
+        """Load an update on one worker of an external router: its adapter, or its full weights."""
+        if is_adapter_dir(w.path):
+            await self.sync.load(url, self.held.setdefault(url, set()), w.path, w.weight_version, WeightsProof.of(w))
+        else:
+            await self.client.update_weights(url, w.path, w.weight_version, WeightsProof.of(w))
+
+    async def resume_serving(self) -> None:
+        """With an external router, whose workers outlive this rollout: go on naming the adapter they were
+        given last (the loaded weights this agent recorded), when it is an authentic adapter version."""
+        raw = await self.bus.redis.get(self.bus.streams.loaded_weights(self.agent))
+        if raw is None:
+            return
+        w = WeightsUpdate.model_validate_json(raw)
+        if is_adapter_dir(w.path) and await refusal(self.bus.redis, self.bus.streams, run_secret(), w) is None:
+            self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
+            log.info("serving adapter version %d on the external router's workers", w.weight_version)
 
     # --- the load report --------------------------------------------------------------
     async def report_load(self, stop: asyncio.Event) -> None:

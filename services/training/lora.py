@@ -1,18 +1,24 @@
-"""LoRA for the torch backend (peft): adapters on a frozen base, merged weights for the engines.
+"""LoRA for the torch backend (peft): adapters on a frozen base; each version goes to the engines as the adapter.
 
 Each agent's trainer wraps its own copy of the base model; only the adapter
-parameters are trainable (and optimised, and saved in the trainer state). The
-engines load plain HF directories, so every version is exported merged.
+parameters are trainable (and optimised, and saved in the trainer state). A
+version is published as a PEFT adapter directory (``save_adapter``: the adapter
+config naming the base's absolute path, and the adapter's safetensors), which the
+engines serve on their resident base (``/load_lora_adapter``).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 
+from services.common.adapter_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from services.contracts.config import LoraConfig
 
 
@@ -29,6 +35,18 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
 def merged_copy(model: PeftModel) -> torch.nn.Module:
     """A plain transformers model with the adapters folded in; the trained model is left as it is."""
     return copy.deepcopy(model).merge_and_unload()
+
+
+def save_adapter(model: PeftModel, out_dir: Path, base_path: str) -> None:
+    """Write the adapter as PEFT does (``adapter_config.json`` + ``adapter_model.safetensors``), naming
+    ``base_path`` (made absolute) as its base; nothing else, so the directory is the adapter's bytes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    cfg = model.peft_config["default"].to_dict()
+    cfg["base_model_name_or_path"] = str(Path(base_path).resolve())
+    cfg = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
 
 
 def adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:

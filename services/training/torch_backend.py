@@ -4,7 +4,7 @@ Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
 ``train_step`` with the configured algorithm (``services.training.algorithms``; activation checkpointing
 by ``trainer.gradient_checkpointing``),
-writes each version as an HF directory the engines load (merged, under LoRA), and
+writes each version as an HF directory the engines load (under LoRA: the PEFT adapter alone), and
 saves / restores the full training state for resume.
 """
 
@@ -136,13 +136,16 @@ class TorchPolicy(TrainingStep):
 
     # -- weights for the engines ---------------------------------------------------------
     def save(self, out_dir: Path) -> tuple[Path, str]:
-        """Write an HF directory atomically (tmp dir + rename); return (path, checksum). LoRA: merged."""
+        """Write an HF directory atomically (tmp dir + rename); return (path, checksum). LoRA: the adapter
+        alone (PEFT format, naming the base), which the engines serve on their resident base."""
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model = lora().merged_copy(self.model) if self.acfg.lora is not None else self.model
-        model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
+        if self.acfg.lora is not None:
+            lora().save_adapter(self.model, tmp, self.acfg.model_path)
+        else:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out_dir)
         return out_dir, weights_checksum(out_dir)
 

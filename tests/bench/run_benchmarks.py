@@ -7,8 +7,9 @@ Figures are ratios measured side by side in one run where it matters; ``machine.
 ``engine.ratio_vs_batched_generate`` (per concurrency; see ``bench_engine``). ``bench_system`` returns
 whole sections (``system.step_time_ratio_vs_in_process``, ``startup.first_turn_s``,
 ``async.step_rate_ratio``), merged at the top level; ``bench_engine_llm`` and ``bench_trainer_llm`` add the
-real-model figures to ``engine.*`` and ``trainer.*`` (each runnable alone: ``python tests/bench/bench_engine_llm.py``).
-``seconds`` gives each benchmark's wall time and the
+real-model figures to ``engine.*`` and ``trainer.*``, and ``bench_adapter_sync`` the ``weights`` and ``memory``
+sections (``weights.adapter_sync_bytes_ratio``, ``memory.shared_base_rss_ratio``, ...); each runs alone
+(``python tests/bench/bench_engine_llm.py``). ``seconds`` gives each benchmark's wall time and the
 total (docs/architecture.md §9).
 """
 
@@ -29,9 +30,10 @@ BENCHMARKS = {"codec": "tests.bench.bench_codec", "engine": "tests.bench.bench_e
               "engine_llm": "tests.bench.bench_engine_llm",
               "trainer": "tests.bench.bench_trainer", "trainer_llm": "tests.bench.bench_trainer_llm",
               "bus": "tests.bench.bench_bus", "tinker_api": "tests.bench.bench_tinker",
-              "durability": "tests.bench.durability_cost", "system": "tests.bench.bench_system"}
+              "durability": "tests.bench.durability_cost", "system": "tests.bench.bench_system",
+              "adapter_sync": "tests.bench.bench_adapter_sync"}
 # these return top-level sections, not figures under their own name (merged into a section already there)
-SECTIONS = {"system", "engine_llm", "trainer_llm"}
+SECTIONS = {"system", "engine_llm", "trainer_llm", "adapter_sync"}
 
 
 def main() -> None:
