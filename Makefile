@@ -22,7 +22,7 @@ DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install run test test-fast bench lint clean browser dashboard-assets cookbook-venv \
-	wheelhouse docker-engine docker-base images test-compose
+	wheelhouse docker-engine docker-base docker-redis images test-compose
 
 install: $(VENV)/.installed
 
@@ -86,6 +86,7 @@ clean:
 WHEELHOUSE := deploy/wheelhouse
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 DOCKER_BASE_TAG ?= tandem-base:bookworm
+DOCKER_REDIS_TAG ?= tandem-redis:bookworm
 BASE_IMAGE ?=
 OFFLINE ?=
 WHEEL_TARGET := --only-binary=:all: --python-version 3.11 --implementation cp
@@ -114,6 +115,10 @@ docker-engine:
 
 docker-base: docker-engine
 	$(SUDO) sh deploy/base-image.sh $(DOCKER_BASE_TAG)
+
+# Redis for compose without a registry: the same Debian base with Debian's redis-server (REDIS_IMAGE=...)
+docker-redis: docker-engine
+	$(SUDO) sh deploy/base-image.sh $(DOCKER_REDIS_TAG) redis-server,redis-tools
 
 images:
 	docker build -q -f deploy/Dockerfile --build-arg ROLE=slim $(DOCKER_BUILD_ARGS) -t tandem:latest .

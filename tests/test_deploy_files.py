@@ -110,7 +110,7 @@ def test_validator_is_offline_and_strict():
     schemas = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
     assert (schemas / f"v{K8S_VERSION}-local-strict" / "deployment-apps-v1.json").is_file()
     docs = [d for d in yaml.safe_load_all(run_kustomize("cpu").stdout) if d]
-    bad = next(d for d in docs if d["kind"] == "Deployment")
+    bad = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "coordinator")
     bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/typo"
     res = validate_k8s(yaml.safe_dump(bad), timeout=60)
     assert res.returncode != 0 and "paht" in res.stdout
@@ -226,12 +226,21 @@ def _check_ports(c: Container, cfg: TandemConfig, kind: str) -> None:
 
 def test_torchrun_rendezvous_is_the_trainers_own_headless_service():
     docs = k8s("gpu")[1]
-    for sts in (d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].startswith("trainer-")):
-        script = sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
-        assert '--master-addr="${POD_NAME%-*}-0.${POD_NAME%-*}"' in script  # pod 0 of this StatefulSet
-        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
-        assert sts["spec"]["serviceName"] == sts["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
-        assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    trainers = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].startswith("trainer-")]
+    assert len(trainers) == 2
+    for job in trainers:
+        spec = job["spec"]["template"]["spec"]
+        script = spec["containers"][0]["command"][2]
+        # pod 0 of this Indexed Job, its hostname <job>-0 under the subdomain <job> (the headless Service)
+        assert '--master-addr="$JOB_NAME-0.$JOB_NAME"' in script and '--node-rank="$JOB_COMPLETION_INDEX"' in script
+        assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        assert env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+        name = job["metadata"]["name"]
+        assert spec["subdomain"] == name
+        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name)
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("kind,name", topologies())
@@ -329,8 +338,10 @@ def test_k8s_images_are_the_ones_built_here(overlay):
             assert c.image.split(":")[0] in built, f"{c.where}: image {c.image} is built by no Dockerfile here"
     roles = {c.module: c.image.split(":")[0] for c in k8s(overlay)[0] if c.module}
     gpu = overlay == "gpu"
-    assert roles["services.rollout"] == ("tandem-rollout" if gpu else "tandem")
-    assert roles["services.trainer"] == ("tandem-trainer" if gpu else "tandem")
+    assert roles["services.rollout"] == ("tandem-rollout" if gpu else "tandem-torch")
+    assert roles["services.trainer"] == ("tandem-trainer" if gpu else "tandem-torch")
+    assert roles["services.buffer"] == "tandem"
+    assert roles["services.coordinator"] == ("tandem" if gpu else "tandem-torch")  # demo.yaml evaluates in-process
     for c in k8s(overlay)[0]:
         gpus = c.extra["container"]["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert bool(gpus) == (gpu and c.module in ("services.rollout", "services.trainer")), c.where

@@ -41,10 +41,21 @@ def test_redis_needs_its_password_and_is_not_published(kind, name):
     for c in cs:
         if "TANDEM_REDIS_URL" in c.env:
             source = _redis_password_source(c)
-            if source != "url":  # the file Redis itself reads its password from, on the same volume
-                volume = next(v["source"] for v in c.extra["service"]["volumes"] if v["target"] == "/secret")
-                assert {"type": "volume", "source": volume, "target": "/secret", "read_only": True}.items() <= \
-                    next(v for v in redis[0].extra["service"]["volumes"] if v["target"] == "/secret").items()
+            assert source != "url", f"{c.where}: the Redis password is in a URL"
+            # the file Redis itself reads its password from, on the same volume (compose) or Secret (k8s)
+            assert _secret_source(c, "/secret") == _secret_source(redis[0], "/secret"), c.where
+
+
+def _secret_source(c: Container, target: str) -> object:
+    """What is mounted read-only at ``target``: compose's volume name, or Kubernetes's Secret (name, key)."""
+    if c.where.startswith("compose"):
+        vol = next(v for v in c.extra["service"]["volumes"] if v["target"] == target)
+        assert vol["type"] == "volume" and vol.get("read_only"), c.where
+        return vol["source"]
+    mount = next(m for m in c.extra["container"]["volumeMounts"] if m["mountPath"] == target)
+    assert mount.get("readOnly"), c.where
+    vol = next(v for v in c.extra["doc"]["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    return vol["secret"]["secretName"], tuple(i["key"] for i in vol["secret"]["items"])
 
 
 @pytest.mark.parametrize("kind,name", topologies())
