@@ -235,7 +235,8 @@ def test_torchrun_rendezvous_is_the_trainers_own_headless_service():
         assert '--master-addr="$JOB_NAME-0.$JOB_NAME"' in script and '--node-rank="$JOB_COMPLETION_INDEX"' in script
         assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]
         env = {e["name"]: e for e in spec["containers"][0]["env"]}
-        assert env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+        job_name = env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert job_name == "metadata.labels['batch.kubernetes.io/job-name']"
         name = job["metadata"]["name"]
         assert spec["subdomain"] == name
         svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name)
