@@ -62,7 +62,7 @@ dashboard-assets:
 	cd - >/dev/null && cp $$tmp/package/dist/uPlot.iife.min.js $$tmp/package/dist/uPlot.min.css $(DASH_VENDOR)/ && \
 	cp $$tmp/package/LICENSE $(DASH_VENDOR)/uPlot.LICENSE && rm -rf $$tmp
 
-# the compose run (tests/test_compose_run.py) builds images: its own target, test-compose, which .ci/run runs too
+# the compose run (tests/test_compose_run.py) builds images: its own target, test-compose (not yet in .ci/run)
 test: install browser cookbook-venv
 	$(VENV)/bin/ruff check services tests
 	$(PY) -m pytest -q --ignore=tests/test_compose_run.py
