@@ -28,7 +28,8 @@ UPLOT_VERSION ?= 1.6.32
 DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install install-run run run-llm test test-fast bench lint clean browser dashboard-assets cookbook-venv docs docs-gen
+.PHONY: install install-run run run-llm test test-fast bench lint clean browser dashboard-assets cookbook-venv \
+	docs docs-gen wheelhouse docker-engine docker-base docker-redis images test-compose
 
 install: $(VENV)/.installed
 install-run: $(VENV)/.installed-run
@@ -83,9 +84,10 @@ dashboard-assets:
 	cd - >/dev/null && cp $$tmp/package/dist/uPlot.iife.min.js $$tmp/package/dist/uPlot.min.css $(DASH_VENDOR)/ && \
 	cp $$tmp/package/LICENSE $(DASH_VENDOR)/uPlot.LICENSE && rm -rf $$tmp
 
+# the compose run (tests/test_compose_run.py) builds images: its own target, test-compose
 test: install browser cookbook-venv docs
 	$(VENV)/bin/ruff check services tests docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 --ignore=tests/test_compose_run.py
 
 # the generated reference is current, and the site builds with strict link checking (into build/site)
 docs: install
@@ -97,7 +99,7 @@ docs-gen: install
 	$(PY) docs/gen_reference.py
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_compose_run.py
 
 bench: install
 	$(PY) tests/bench/run_benchmarks.py
@@ -107,3 +109,55 @@ lint: install
 
 clean:
 	rm -rf runs checkpoints build
+
+# ---- containers (docs/guides/deploy.md) -------------------------------------------------------------------------
+# make wheelhouse: every wheel the images install, downloaded on this host with pip, for an offline build
+#   (images OFFLINE=1). TORCH_INDEX_URL empty: torch from pip's configured indexes (a mirror holding the CPU build).
+# make docker-base: a Debian bookworm base image from Debian's archive alone (no registry), cached by its tag.
+# make images: tandem (no torch) and tandem-torch; BASE_IMAGE=tandem-base:bookworm OFFLINE=1 for no registry at all.
+WHEELHOUSE := deploy/wheelhouse
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+DOCKER_BASE_TAG ?= tandem-base:bookworm
+DOCKER_REDIS_TAG ?= tandem-redis:bookworm
+BASE_IMAGE ?=
+OFFLINE ?=
+WHEEL_TARGET := --only-binary=:all: --python-version 3.11 --implementation cp
+# pip evaluates markers on this host's Python: what an older 3.11 (Debian's 3.11.2) needs besides
+WHEEL_MARKER_DEPS := "async-timeout>=4.0.3"
+DOCKER_BUILD_ARGS = $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) $(if $(OFFLINE),--build-arg OFFLINE=1) \
+	$(if $(PIP_INDEX_URL),--build-arg PIP_INDEX_URL=$(PIP_INDEX_URL)) \
+	$(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL))
+
+wheelhouse:
+	$(PYTHON) -m pip download -q -d $(WHEELHOUSE) $(WHEEL_TARGET) -c constraints.txt \
+		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) -r deploy/requirements/torch-index.txt
+	$(PYTHON) -m pip download -q -d $(WHEELHOUSE) $(WHEEL_TARGET) --find-links $(WHEELHOUSE) -c constraints.txt \
+		-r deploy/requirements/torch.txt "setuptools>=68" wheel $(WHEEL_MARKER_DEPS)
+	@ls $(WHEELHOUSE)/*.whl | wc -l | xargs echo "wheels in $(WHEELHOUSE):"
+
+# Debian's Docker engine, installed and started only when none answers (as `make browser` does for chromium).
+docker-engine:
+	@if docker info >/dev/null 2>&1; then echo "docker engine: running"; else \
+		command -v dockerd >/dev/null || { $(SUDO) apt-get update -q && \
+			DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker.io debootstrap; }; \
+		$(SUDO) sh -c 'nohup dockerd >/var/log/tandem-dockerd.log 2>&1 &'; \
+		for i in $$(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done; \
+		docker info >/dev/null 2>&1 && echo "docker engine: started" || { echo "docker engine: failed to start"; exit 1; }; \
+	fi
+
+docker-base: docker-engine
+	$(SUDO) sh deploy/base-image.sh $(DOCKER_BASE_TAG)
+
+# Redis for compose without a registry: the same Debian base with Debian's redis-server (REDIS_IMAGE=...)
+docker-redis: docker-engine
+	$(SUDO) sh deploy/base-image.sh $(DOCKER_REDIS_TAG) redis-server,redis-tools
+
+images:
+	docker build -q -f deploy/Dockerfile --build-arg ROLE=slim $(DOCKER_BUILD_ARGS) -t tandem:latest .
+	docker build -q -f deploy/Dockerfile --build-arg ROLE=torch $(DOCKER_BUILD_ARGS) -t tandem-torch:latest .
+	@docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^tandem(-torch)?:latest '
+
+# The compose run end to end (slow: builds images, runs the cpu profile shortened); skips where no engine starts.
+test-compose: install
+	-$(MAKE) docker-engine
+	$(PY) -m pytest -q -m slow tests/test_compose_run.py

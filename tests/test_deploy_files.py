@@ -88,7 +88,7 @@ def _walk_override(key: str, cfg: TandemConfig) -> None:
 
 # ---- validity ---------------------------------------------------------------------------------------------------
 
-SHARED = {"redis", "redis-password"}  # in every topology
+SHARED = {"redis", "secrets"}  # in every topology
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -110,7 +110,7 @@ def test_validator_is_offline_and_strict():
     schemas = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
     assert (schemas / f"v{K8S_VERSION}-local-strict" / "deployment-apps-v1.json").is_file()
     docs = [d for d in yaml.safe_load_all(run_kustomize("cpu").stdout) if d]
-    bad = next(d for d in docs if d["kind"] == "Deployment")
+    bad = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "coordinator")
     bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/typo"
     res = validate_k8s(yaml.safe_dump(bad), timeout=60)
     assert res.returncode != 0 and "paht" in res.stdout
@@ -137,9 +137,13 @@ def _config_of(c: Container, kind: str, name: str) -> tuple[Path, TandemConfig]:
     env = dict(c.env)
     if "TANDEM_REDIS_PASSWORD_FILE" in env:  # the mounted secret, as the container would read it
         env["TANDEM_REDIS_PASSWORD_FILE"] = str(_secret_file())
+    if "TANDEM_API_TOKEN_FILE" in env:
+        assert str(Path(env["TANDEM_API_TOKEN_FILE"]).parent) in mounts(c), f"{c.where}: the API token is not mounted"
+        env["TANDEM_API_TOKEN_FILE"] = str(_secret_file())
     try:
         cfg = load_config(local, environ=env)
         assert "TANDEM_REDIS_PASSWORD_FILE" not in env or urlparse(cfg.redis_url).password == "test-secret"
+        assert "TANDEM_API_TOKEN_FILE" not in env or cfg.api.token == "test-secret"
         return local, cfg
     except ConfigError as exc:
         raise AssertionError(f"{c.where}: {exc}") from None
@@ -222,12 +226,22 @@ def _check_ports(c: Container, cfg: TandemConfig, kind: str) -> None:
 
 def test_torchrun_rendezvous_is_the_trainers_own_headless_service():
     docs = k8s("gpu")[1]
-    for sts in (d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].startswith("trainer-")):
-        script = sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
-        assert '--master-addr="${POD_NAME%-*}-0.${POD_NAME%-*}"' in script  # pod 0 of this StatefulSet
-        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
-        assert sts["spec"]["serviceName"] == sts["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
-        assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    trainers = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].startswith("trainer-")]
+    assert len(trainers) == 2
+    for job in trainers:
+        spec = job["spec"]["template"]["spec"]
+        script = spec["containers"][0]["command"][2]
+        # pod 0 of this Indexed Job, its hostname <job>-0 under the subdomain <job> (the headless Service)
+        assert '--master-addr="$JOB_NAME-0.$JOB_NAME"' in script and '--node-rank="$JOB_COMPLETION_INDEX"' in script
+        assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        job_name = env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert job_name == "metadata.labels['batch.kubernetes.io/job-name']"
+        name = job["metadata"]["name"]
+        assert spec["subdomain"] == name
+        svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name)
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("kind,name", topologies())
@@ -270,22 +284,51 @@ def _dockerfiles() -> dict[str, str]:
     return out
 
 
-def test_images_are_pinned_non_root_with_a_healthcheck():
+def _copied(text: str) -> list[str]:
+    """The build-context paths a Dockerfile's COPY lines name (not those of ``COPY --from=stage``)."""
+    return [src for line in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M) for src in line.split()]
+
+
+def _base_default(text: str) -> str:
+    """The default of the base image's build argument (``ARG NAME=default`` then ``FROM ${NAME}``)."""
+    name = re.search(r"^FROM \$\{(\w+)\}", text, re.M).group(1)
+    return re.search(rf"^ARG {name}=(\S+)", text, re.M).group(1)
+
+
+def test_images_are_pinned_non_root_with_a_cheap_healthcheck():
     files = _dockerfiles()
-    assert set(files) == {"tandem", "tandem-rollout", "tandem-trainer"}
+    assert set(files) == {"tandem", "tandem-torch", "tandem-rollout", "tandem-trainer"}
     for image, text in files.items():
-        base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+        base = _base_default(text)
         assert re.search(r":v?\d+\.\d+", base) and not base.endswith(":latest"), f"{image}: base {base} not pinned"
         user = re.findall(r"^USER (\S+)", text, re.M)
         assert user and user[-1] not in ("root", "0"), f"{image}: runs as root"
-        assert 'CMD ["python", "-m", "services.common.health"]' in text and "TANDEM_HEALTH_PORT=8080" in text
-        assert "sh install-tandem.sh" in text
-    assert re.search(r"^FROM lmsysorg/sglang:", files["tandem-rollout"], re.M)
-    assert re.search(r"^FROM pytorch/pytorch:", files["tandem-trainer"], re.M)
+        # the probe is bash asking GET /health: no Python interpreter per probe
+        assert 'CMD ["tandem-health"]' in text and "TANDEM_HEALTH_PORT=8080" in text and "python" not in \
+            re.search(r"^HEALTHCHECK .*$", text, re.M).group(0)
+        assert "COPY deploy/healthcheck.sh /usr/local/bin/tandem-health" in text
+        assert re.search(r"^ARG PIP_INDEX_URL=https://", text, re.M) and re.search(r"^ARG OFFLINE=$", text, re.M)
+    for image in ("tandem", "tandem-torch", "tandem-trainer"):  # the rollout's SGLang tag is pinned, not digested
+        assert re.search(r"@sha256:[0-9a-f]{64}$", _base_default(files[image])), f"{image}: base not pinned by digest"
+    assert "ARG TORCH_INDEX_URL=https://" in files["tandem-torch"]
+    assert _base_default(files["tandem-rollout"]).startswith("lmsysorg/sglang:")
+    assert _base_default(files["tandem-trainer"]).startswith("pytorch/pytorch:")
     pins = (Path(__file__).resolve().parents[1] / "constraints.txt").read_text()
     pinned = re.search(r"^megatron-core==(\S+)", pins, re.M).group(1)
     assert f"MEGATRON_CORE_VERSION={pinned}" in files["tandem-trainer"], "trainer image: megatron-core != the pin"
     assert importlib.util.find_spec("services.common.health")
+
+
+def test_the_image_without_torch_serves_the_coordinator_and_buffers():
+    for profile in PROFILES:
+        for c in compose(profile)[0]:
+            image = c.image.split(":")[0]
+            if c.module == "services.buffer" or (c.module == "services.coordinator" and profile == "gpu"):
+                assert image == "tandem", f"{c.where}: {image}"
+            if c.module in ("services.trainer", "services.rollout") and profile == "cpu":
+                assert image == "tandem-torch", f"{c.where}: {image}"
+    slim = (REPO / "deploy" / "requirements" / "slim.txt").read_text()
+    assert not re.search(r"^(torch|peft|accelerate|megatron|wandb|tinker)\b", slim, re.M)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -296,8 +339,10 @@ def test_k8s_images_are_the_ones_built_here(overlay):
             assert c.image.split(":")[0] in built, f"{c.where}: image {c.image} is built by no Dockerfile here"
     roles = {c.module: c.image.split(":")[0] for c in k8s(overlay)[0] if c.module}
     gpu = overlay == "gpu"
-    assert roles["services.rollout"] == ("tandem-rollout" if gpu else "tandem")
-    assert roles["services.trainer"] == ("tandem-trainer" if gpu else "tandem")
+    assert roles["services.rollout"] == ("tandem-rollout" if gpu else "tandem-torch")
+    assert roles["services.trainer"] == ("tandem-trainer" if gpu else "tandem-torch")
+    assert roles["services.buffer"] == "tandem"
+    assert roles["services.coordinator"] == ("tandem" if gpu else "tandem-torch")  # demo.yaml evaluates in-process
     for c in k8s(overlay)[0]:
         gpus = c.extra["container"]["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert bool(gpus) == (gpu and c.module in ("services.rollout", "services.trainer")), c.where
@@ -319,10 +364,9 @@ def test_image_install_pins_only_what_the_base_image_lacks(tmp_path):
 def test_build_context_keeps_what_the_dockerfiles_copy():
     ignored = [x.strip() for x in (REPO / ".dockerignore").read_text().splitlines() if x.strip()[:1] not in ("", "#")]
     for text in _dockerfiles().values():
-        for line in re.findall(r"^COPY (.+) \S+$", text, re.M):
-            for src in line.split():
-                assert (REPO / src).exists(), f"COPY {src}: no such file"
-                assert not any(fnmatch.fnmatch(src, pat) or src.startswith(pat + "/") for pat in ignored), src
+        for src in _copied(text):
+            assert (REPO / src).exists(), f"COPY {src}: no such file"
+            assert not any(fnmatch.fnmatch(src, pat) or src.startswith(pat + "/") for pat in ignored), src
     assert {".venv", "models", "checkpoints", "runs", ".git"} <= set(ignored)
 
 

@@ -6,7 +6,9 @@ step and wrote its state but before the Redis commit, (3) after the commit but
 before acknowledging the batch. After the last restart the run must finish with
 versions 1..N each trained once, every sample in exactly one step, and final
 weights equal to an uninterrupted in-process run over the same batches — which
-also shows the optimizer, scheduler and version were restored exactly.
+also shows the optimizer, scheduler and version were restored exactly. The run keeps its
+last 3 weight versions (``run.checkpoint_retention``) and the one the evaluation plays: the
+others are pruned and resume is unaffected.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tests.helpers import emit, make_sample, wait_until
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # room for the three kills wherever the first one lands
+KEEP_LAST, EVAL_EVERY = 3, 4  # versions 6-8 kept as the last 3, version 4 as the one evaluated
 
 
 def wait(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
@@ -65,9 +68,11 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
     run = f"resume{os.getpid()}{backend}"
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump({
-        "run": {"name": run, "total_steps": STEPS, "checkpoint_root": str(tmp_path / "ckpt")},
+        "run": {"name": run, "total_steps": STEPS, "checkpoint_root": str(tmp_path / "ckpt"),
+                "checkpoint_retention": {"keep_last": KEEP_LAST}},
         "redis_url": redis_url,
-        "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "A"}},
+        "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "A"},
+                        "eval": {"every_n_steps": EVAL_EVERY}},
         "agents": {"A": {"model_path": str(tiny_model_dir), "backend": backend, "groups_per_batch": 1,
                          "max_staleness": 100,
                          "algorithm": {"name": "grpo", "lr": 0.01, "lr_scheduler": "linear", "decay_steps": 10}}},
@@ -125,6 +130,8 @@ def test_kill_dash_nine_and_resume(tmp_path: Path, redis_url: str, tiny_model_di
     assert {m.decode() for m in r.smembers(s.trained_samples("A"))} == set(trained)
     state_root = tmp_path / "ckpt" / run / "A" / "state"
     assert sorted(p.name for p in state_root.iterdir()) == [f"v{STEPS - 1:05d}", f"v{STEPS:05d}"]
+    weights = sorted(p.name for p in (tmp_path / "ckpt" / run / "A").glob("v*"))
+    assert weights == [f"v{v:05d}" for v in (EVAL_EVERY, *range(STEPS - KEEP_LAST + 1, STEPS + 1))]
 
     # per-step metrics on the events stream (what the coordinator serves at /v1/metrics)
     events = [decode(f[FIELD], Event) for _, f in r.xrange(s.events)]

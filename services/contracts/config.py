@@ -3,7 +3,8 @@
 Every service reads the same file. Environment variables override single
 fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and
 ``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``);
-``TANDEM_REDIS_PASSWORD_FILE`` puts the password in that file (a mounted secret) into the Redis URL.
+``TANDEM_REDIS_PASSWORD_FILE`` puts the password in that file (a mounted secret) into the Redis URL, and
+``TANDEM_API_TOKEN_FILE`` the control API's token in that file into ``api.token``.
 """
 
 from __future__ import annotations
@@ -213,6 +214,15 @@ class EnvironmentConfig(Strict):
         return {r: p for r, p in self.roles.items() if isinstance(p, Scripted)}
 
 
+class CheckpointRetention(Strict):
+    """Which weight versions (``<checkpoint_root>/<run>/<agent>/v#####``) a trainer keeps on disk once a newer one
+    is committed. Always kept besides: the versions the in-run evaluation plays (multiples of
+    ``environment.eval.every_n_steps``), so the one an evaluation scored best is among them."""
+
+    keep_last: int = Field(0, ge=0, description="keep the newest N weight versions; 0 keeps every version")
+    keep_every: int = Field(0, ge=0, description="also keep every k-th version (k, 2k, ...); 0: no others")
+
+
 class RunConfig(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64,
                       description="the run's name: its directory runs/<name>, checkpoints/<name> and Redis keys "
@@ -252,6 +262,7 @@ class RunConfig(Strict):
                                   "more than N + max_staleness versions old leave the group ledger and the "
                                   "buffer's verdicts for runs/<run>/ledger.<agent>.jsonl (at least max_staleness "
                                   "+ 4 are kept)")
+    checkpoint_retention: CheckpointRetention = Field(default_factory=CheckpointRetention)
 
 
 class ApiConfig(Strict):
@@ -324,7 +335,18 @@ class TandemConfig(Strict):
         if idle := [n for n, a in self.agents.items() if a.train and n not in playing]:
             raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment."
                              f"{'matchups' if env.matchups else 'roles'} (set train: false or give it a role)")
+        self._retention_keeps_what_is_read()
         return self
+
+    def _retention_keeps_what_is_read(self) -> None:
+        """Pruned versions must be ones nothing loads any more: not the one the rollouts hold while the next is
+        published, nor one a pool player draws from."""
+        keep = self.run.checkpoint_retention.keep_last
+        pooled = any(isinstance(p, Pool) for _, m in self.environment.training_maps() for p in m.values())
+        floor = max(2, self.environment.pool_size if pooled else 0)
+        if keep and keep < floor:
+            raise ValueError(f"run.checkpoint_retention.keep_last: {keep} is below {floor}, the versions a rollout "
+                             "or a pool player may still load (0 keeps every version)")
 
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
@@ -337,6 +359,17 @@ def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
     node[path[-1]] = yaml_load(value) if value != "" else ""
+
+
+def read_secret(variable: str, path: str) -> str:
+    """The non-empty secret in the file ``path`` (a mounted secret) that ``$variable`` names."""
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{variable}: cannot read {path}: {exc.strerror}") from None
+    if not secret:
+        raise ConfigError(f"{variable}: {path} is empty")
+    return secret
 
 
 def with_password(url: str, password_file: str) -> str:
@@ -358,6 +391,8 @@ def apply_env_overrides(data: dict[str, Any], environ: dict[str, str] | None = N
         data["redis_url"] = env["TANDEM_REDIS_URL"]
     if env.get("TANDEM_REDIS_PASSWORD_FILE") and data.get("redis_url"):
         data["redis_url"] = with_password(str(data["redis_url"]), env["TANDEM_REDIS_PASSWORD_FILE"])
+    if env.get("TANDEM_API_TOKEN_FILE"):
+        data.setdefault("api", {})["token"] = read_secret("TANDEM_API_TOKEN_FILE", env["TANDEM_API_TOKEN_FILE"])
     if "TANDEM_RUN_NAME" in env:
         data.setdefault("run", {})["name"] = env["TANDEM_RUN_NAME"]
     for key, value in env.items():

@@ -2,7 +2,8 @@
 
 Unknown keys fail at start, naming the field. With no ``redis_url`` the service starts its
 own embedded Redis, which persists under ``data_dir/redis`` so futures survive a restart.
-API keys may also come from ``TANDEM_TINKER_API_KEYS`` (comma-separated), and the Redis URL
+API keys may also come from ``TANDEM_TINKER_API_KEYS`` (comma-separated) or the file
+``TANDEM_TINKER_API_KEYS_FILE`` names (a mounted secret; one key a line or comma-separated), and the Redis URL
 from ``TANDEM_REDIS_URL`` when the file names none (as in the compose and Kubernetes files).
 """
 
@@ -17,7 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from services.contracts.config import ConfigError, with_password
+from services.contracts.config import ConfigError, read_secret, with_password
 
 
 class ServeConfig(BaseModel):
@@ -81,7 +82,13 @@ def load_serve_config(path: str | None) -> ServeConfig:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigFileError(f"{path}: tinker_api.{where}: {first['msg']}") from None
-    env_keys = [k.strip() for k in os.environ.get("TANDEM_TINKER_API_KEYS", "").split(",") if k.strip()]
+    listed = os.environ.get("TANDEM_TINKER_API_KEYS", "")
+    if os.environ.get("TANDEM_TINKER_API_KEYS_FILE"):  # a mounted secret (compose, Kubernetes)
+        try:
+            listed += "," + read_secret("TANDEM_TINKER_API_KEYS_FILE", os.environ["TANDEM_TINKER_API_KEYS_FILE"])
+        except ConfigError as exc:
+            raise ConfigFileError(str(exc)) from None
+    env_keys = [k.strip() for k in listed.replace("\n", ",").split(",") if k.strip()]
     if env_keys:
         cfg.api_keys = [*cfg.api_keys, *env_keys]
     if cfg.redis_url is None and os.environ.get("TANDEM_REDIS_URL"):

@@ -38,6 +38,7 @@ from typing import Any
 from services.common.bus import Bus, Reject
 from services.common.history import TrainLogSpill, train_log_archive
 from services.common.metrics import SKIPPED_STEPS
+from services.common.weight_retention import prune_weight_versions
 from services.common.weights_auth import run_secret, sign
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Batch, Control, Sample, TrainStep, TrainStepSkipped, WeightsUpdate
@@ -197,6 +198,8 @@ class TrainerService:
         self.nonfinite_in_row = 0
         failpoint("after_commit", new_version)
         await asyncio.to_thread(tidy_states, self.state_root, new_version)
+        await asyncio.to_thread(prune_weight_versions, self.ckpt_dir, new_version, self.cfg.run.checkpoint_retention,
+                                self.cfg.environment.eval.every_n_steps)
         await self.announce(record)
         await self.spill()
         self.log.info("step %d: reward %.3f loss %.4f clip %.3f zero-variance groups %.2f malformed %.2f (%d samples, "
