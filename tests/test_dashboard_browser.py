@@ -204,8 +204,9 @@ def test_tensorboard_and_wandb_logs_of_the_run(live):
             assert f"{agent}/train/{key}" in tags
         # every step the report holds (a step that ends after the report may be logged too)
         assert {e.step for e in acc.Scalars(f"{agent}/train/pg_loss")} >= {s["weight_version"] for s in steps}
-        assert len(acc.Scalars(f"{agent}/reward/group")) >= len(metrics[agent]["group_rewards"])
-        assert f"{agent}/eval/score" in tags
+        groups = sum(e.value for e in acc.Scalars(f"{agent}/reward/groups"))
+        assert groups >= len(metrics[agent]["group_rewards"])
+        assert f"{agent}/eval_random/score" in tags and f"{agent}/eval/score" not in tags
         for key in ("queue_depth", "weight_version", "groups_kept"):
             assert f"{agent}/pipeline/{key}" in tags
     assert any(t.startswith("transcripts/") for t in acc.Tags()["tensors"])

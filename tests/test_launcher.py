@@ -314,6 +314,7 @@ def test_up_refuses_a_run_that_has_state_and_touches_nothing(tmp_path, tiny_mode
     res = _up(path)
     assert res.returncode == 2
     assert "run 'kept' already has state" in res.stderr and "--resume" in res.stderr and "--fresh" in res.stderr
+    assert "refused, to keep an earlier run's data" in res.stderr and "invalid config" not in res.stderr
     assert marker.read_text() == "weights" and not (tmp_path / "runs").exists()
     # an unreachable Redis fails the checks before anything is deleted, even with --fresh
     data = yaml.safe_load(path.read_text())

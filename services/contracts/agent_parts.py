@@ -26,14 +26,16 @@ class Strict(BaseModel):
 class AlgorithmConfig(Strict):
     """The agent's RL algorithm (``name``) and its hyper-parameters; unused ones are ignored by the others."""
 
-    name: str = "grpo"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    name: str = Field("grpo",
+                      description="a built-in algorithm (grpo, dr_grpo, ppo, gspo, cispo, reinforce_pp, "
+                                  "reinforce_pp_baseline, sft, dpo) or a plug-in package.module:Class")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (the peak, with a scheduler)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     clip_eps_low: float = Field(0.2, gt=0, le=1, description="ratio clip below 1 (PPO family, CISPO, GSPO)")
-    clip_eps_high: float = Field(0.2, gt=0)
+    clip_eps_high: float = Field(0.2, gt=0, description="ratio clip above 1 (PPO family, CISPO, GSPO)")
     epochs: int = Field(1, ge=1, description="passes over each batch")
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="global gradient-norm clipping")
     normalize_std: bool = Field(True, description="grpo/ppo/gspo/cispo: divide advantages by the group's std")
     credit: Literal["episode", "turn"] = Field(
         "episode", description="episode: one advantage for all of a sample's tokens (its reward against its group's); "
@@ -50,19 +52,25 @@ class AlgorithmConfig(Strict):
     dual_clip_c: float = Field(3.0, gt=1, description="ppo: dual-clip bound on negative-advantage tokens")
     norm_tokens: int = Field(0, ge=0, description="dr_grpo: loss = token sum / (sequences x norm_tokens); "
                                                    "0 = the batch's padded length")
-    dpo_beta: float = Field(0.1, gt=0)
+    dpo_beta: float = Field(0.1, gt=0, description="dpo: the inverse temperature of the preference loss")
     sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this")
     kl_coef: float = Field(0.0, ge=0, description="> 0 adds a KL term to a frozen reference (the start weights)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3",
+                                                    description="the KL estimator of kl_coef's term (k1, k2 or k3, as "
+                                                                "in Schulman's note)")
     entropy_coef: float = Field(0.0, ge=0, description="> 0 adds an entropy bonus")
     tis: bool = Field(True, description="truncated importance sampling for samples older than the trainer")
     tis_cap: float = Field(2.0, ge=1, description="upper bound of the TIS weight")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant",
+                                                                  description="the learning-rate schedule over "
+                                                                              "optimizer steps: constant, linear or "
+                                                                              "cosine decay")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
     stable_steps: int = Field(0, ge=0, description="linear/cosine: optimizer steps held at lr after warm-up, before "
                               "the decay starts (warm-up, stable, decay: the WSD schedule)")
     decay_steps: int = Field(1000, ge=1, description="linear/cosine: optimizer steps from the decay's start to min_lr")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1,
+                                description="linear/cosine: the lr at the decay's end, as a fraction of lr")
     params: dict[str, Any] = Field(default_factory=dict, description="free-form settings for plug-in algorithms")
 
     @field_validator("name")
@@ -90,8 +98,10 @@ class AlgorithmConfig(Strict):
 class SGLangEngineConfig(Strict):
     """Arguments of ``python -m sglang.launch_server`` per engine (``engine: sglang``)."""
 
-    tp_size: int = Field(1, ge=1)
-    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    tp_size: int = Field(1, ge=1, description="tensor parallelism of each SGLang engine (--tp-size)")
+    mem_fraction_static: float = Field(0.85, gt=0, le=1,
+                                       description="the GPU memory fraction SGLang reserves for weights and KV cache "
+                                                   "(--mem-fraction-static)")
     base_gpu_id: int = Field(0, ge=0, description="engine i uses GPUs base_gpu_id + i*tp_size ...")
     extra_args: list[str] = Field(default_factory=list, description="appended to the launch_server command")
 
@@ -103,23 +113,28 @@ class DeviceConfig(Strict):
     float32 and ``bfloat16`` runs the forward and backward passes under autocast (mixed precision).
     ``cuda`` without a GPU fails at the process's start, naming the field."""
 
-    device: Literal["auto", "cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="cpu, cuda, or auto (cuda when torch sees a GPU)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32",
+                                                  description="float32 or bfloat16 (engine: the weights' dtype; "
+                                                              "trainer: autocast, weights and AdamW stay float32)")
 
 
 class LoraConfig(Strict):
     """LoRA adapters (torch backend, peft) on a frozen base; engines receive the merged weights."""
 
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    r: int = Field(8, ge=1, description="the adapters' rank")
+    alpha: float = Field(16.0, gt=0, description="the LoRA scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      min_length=1)
+                                      min_length=1, description="the linear layers that get adapters (module names)")
 
 
 class MegatronLayout(Strict):
     """Parallel layout of the megatron backend (world size = TP x PP x DP processes under torchrun)."""
 
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
-    data_parallel: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1,
+                                 description="tensor-parallel size (TP); heads, key/value heads, ffn and vocab must "
+                                             "divide by it")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline-parallel size (PP); the layers must divide by it")
+    data_parallel: int = Field(1, ge=1,
+                               description="data-parallel size (DP); the only one available without a GPU (gloo)")

@@ -55,24 +55,42 @@ class ConfigError(ValueError):
 
 
 class AgentConfig(Strict):
-    model_path: str
-    backend: Literal["torch", "megatron"] = "torch"
-    engine: Literal["embedded", "sglang"] = "embedded"
-    num_engines: int = Field(1, ge=1)
-    max_inflight_per_engine: int = Field(64, ge=1)
+    model_path: str = Field(description="the agent's start model: a local Hugging Face model directory (config.json, "
+                                        "weights, tokenizer)")
+    backend: Literal["torch", "megatron"] = Field("torch",
+                                                  description="the trainer's backend: torch (transformers + AdamW) or "
+                                                              "megatron (megatron-core; needs tandem[megatron])")
+    engine: Literal["embedded", "sglang"] = Field("embedded",
+                                                  description="the inference engine behind the agent's SGLang router: "
+                                                              "embedded (Tandem's CPU/GPU engine) or sglang (SGLang "
+                                                              "servers on GPUs)")
+    num_engines: int = Field(1, ge=1, description="inference engines the agent's rollout starts behind its router")
+    max_inflight_per_engine: int = Field(64, ge=1,
+                                         description="generation requests the rollout keeps in flight per healthy "
+                                                     "engine; the rest wait on the turns stream")
     router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
     engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
-    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig,
+                                       description="engine: sglang: the launch_server arguments of each engine")
     embedded: DeviceConfig = Field(default_factory=DeviceConfig, description="the embedded engine's device, dtype")
     trainer: DeviceConfig = Field(default_factory=DeviceConfig, description="the trainer's device and precision")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    groups_per_batch: int = Field(4, ge=1)
-    max_staleness: int = Field(0, ge=0)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig,
+                                       description="the training algorithm and its hyper-parameters")
+    groups_per_batch: int = Field(4, ge=1, description="GRPO groups per training batch (one training step)")
+    max_staleness: int = Field(0, ge=0,
+                               description="how many weight versions generation may run ahead of the loaded weights "
+                                           "(0: on-policy)")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
-    lora: LoraConfig | None = None
-    seed: int = 0
-    megatron: MegatronLayout = Field(default_factory=MegatronLayout)
+    sampling: SamplingParams = Field(default_factory=SamplingParams,
+                                     description="sampling parameters of the agent's training episodes (SGLang's "
+                                                 "names)")
+    lora: LoraConfig | None = Field(None,
+                                    description="train LoRA adapters on a frozen base instead of every weight (torch "
+                                                "backend); null: full fine-tuning")
+    seed: int = Field(0,
+                      description="the agent's torch seed (initialisation of any new parameters, dropout, data order)")
+    megatron: MegatronLayout = Field(default_factory=MegatronLayout,
+                                     description="backend: megatron: the parallel layout (TP x PP x DP)")
     train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
     max_nonfinite_steps: int = Field(3, ge=1, description="the trainer stops after this many training steps in a "
                                      "row skipped for a non-finite loss, gradient or weight")
@@ -123,7 +141,7 @@ class EvalConfig(Strict):
                                       "its own (the first is the headline score: eval_start/eval_end)")
     every_n_steps: int = Field(0, ge=0, description="also evaluate each agent's checkpoint of every n-th "
                                "weight version during the run (0: only at start and end)")
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of the evaluation episodes (0: greedy)")
 
     @model_validator(mode="after")
     def _one_list(self) -> EvalConfig:
@@ -137,8 +155,11 @@ class EvalConfig(Strict):
 
 
 class EnvironmentConfig(Strict):
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(description="a registered environment (`tandem envs` lists them) or a plug-in as "
+                                  "package.module:Class")
+    params: dict[str, Any] = Field(default_factory=dict,
+                                   description="the environment's parameters, checked against its Params model "
+                                               "(`tandem envs` shows them)")
     group_size: int = Field(8, ge=1, description="episodes per group (a sample's Sample.group_samples is its "
                             "agent's share: its samples in the whole group)")
     roles: dict[str, Player] = Field(description="environment role -> player: an agent name, "
@@ -153,7 +174,8 @@ class EnvironmentConfig(Strict):
         "episode", description="a training group's scripted players draw from one random stream per episode, or "
         "per group (every copy restarts it from a seed derived from the group's: copies that play alike get the "
         "same replies, so the group's baseline compares the agents' moves, not the opponent's luck)")
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig,
+                             description="the held-out evaluation: opponents, episodes, how often")
 
     @field_validator("name")
     @classmethod
@@ -188,12 +210,19 @@ class EnvironmentConfig(Strict):
 
 
 class RunConfig(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)
-    seed: int = 0
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64,
+                      description="the run's name: its directory runs/<name>, checkpoints/<name> and Redis keys "
+                                  "tandem:<name>:*")
+    seed: int = Field(0, description="the run's seed: episode starts, scripted players and pool draws")
     total_steps: int = Field(10, ge=1, description="training steps (weight versions) per agent")
-    concurrent_episodes: int = Field(16, ge=1)
-    checkpoint_root: str = "checkpoints"
-    output_dir: str = "runs"
+    concurrent_episodes: int = Field(16, ge=1,
+                                     description="episodes the coordinator plays at once (across groups and agents)")
+    checkpoint_root: str = Field("checkpoints",
+                                 description="where each agent's weight versions and trainer states go: "
+                                             "<checkpoint_root>/<run>/<agent>/")
+    output_dir: str = Field("runs",
+                            description="where the run's directory (report, logs, embedded Redis data, TensorBoard) "
+                                        "goes: <output_dir>/<run>/")
     trim_interval_s: float = Field(30.0, ge=0, description="trim acknowledged stream entries every N seconds; "
                                    "0 keeps every entry (audits, tests)")
     group_timeout_s: float = Field(600.0, gt=0, description="a GRPO group not complete this many seconds after "
@@ -204,7 +233,7 @@ class RunConfig(Strict):
     restart_window_s: float = Field(600.0, gt=0, description="the sliding window max_restarts counts in")
     redis_appendfsync: Literal["everysec", "always"] = Field(
         "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of writes on a machine "
-        "crash (none on a Redis crash); always loses none (see README, Recovery)")
+        "crash (none on a Redis crash); always loses none (docs/guides/recovery.md)")
     redis_maxmemory_mb: int = Field(4096, ge=0, description="embedded Redis maxmemory (noeviction: a full Redis "
                                     "refuses writes and the run stops naming the limit); 0 = no limit")
     transcripts_kept: int = Field(1000, ge=1, description="episode transcripts kept in Redis per purpose (train, "
@@ -218,36 +247,45 @@ class RunConfig(Strict):
 
 
 class ApiConfig(Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8900, ge=0, le=65535)
-    token: str = ""
+    host: str = Field("127.0.0.1", description="the control API's and dashboard's listen address")
+    port: int = Field(8900, ge=0, le=65535, description="the control API's and dashboard's port; 0 = a free port")
+    token: str = Field("",
+                       description="a bearer token every route but /health, /metrics, the OpenAPI document and the "
+                                   "dashboard page requires; empty = open")
 
 
 class WandbConfig(Strict):
     """Weights & Biases: ``offline`` writes a run directory under runs/<run>/wandb (no network; sync it
     later with ``wandb sync``); ``online`` needs network and a login."""
 
-    project: str = Field(min_length=1)
-    mode: Literal["online", "offline", "disabled"] = "offline"
-    entity: str | None = None
+    project: str = Field(min_length=1, description="the W&B project")
+    mode: Literal["online", "offline", "disabled"] = Field("offline",
+                                                           description="offline writes runs/<run>/wandb without "
+                                                                       "network; online logs live; disabled writes "
+                                                                       "nothing")
+    entity: str | None = Field(None, description="the W&B entity (user or team); null: the login's default")
 
 
 class LoggingConfig(Strict):
     """Experiment logging the coordinator writes from what it already receives."""
 
     tensorboard: bool = Field(True, description="TensorBoard event files under runs/<run>/tensorboard")
-    wandb: WandbConfig | None = None
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging (needs tandem[wandb]); null: none")
     interval_s: float = Field(5.0, gt=0, description="how often new metrics are written")
     text_every: int = Field(25, ge=0, description="every Nth episode's transcript is logged as text (0: none)")
 
 
 class TandemConfig(Strict):
-    run: RunConfig
-    redis_url: str = ""
-    api: ApiConfig = Field(default_factory=ApiConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    environment: EnvironmentConfig
-    agents: dict[str, AgentConfig] = Field(min_length=1)
+    run: RunConfig = Field(description="the run: its name, length, seeds, directories, restarts and retention")
+    redis_url: str = Field("",
+                           description="an external Redis/Valkey (redis://[:password@]host:port/db); empty: tandem up "
+                                       "starts an embedded one")
+    api: ApiConfig = Field(default_factory=ApiConfig, description="the coordinator's control API and dashboard")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="TensorBoard and W&B logging")
+    environment: EnvironmentConfig = Field(description="the environment, who plays each role, and the evaluation")
+    agents: dict[str, AgentConfig] = Field(min_length=1,
+                                           description="the agents by name, each with its own model, engines, trainer "
+                                                       "and algorithm")
 
     @field_validator("agents")
     @classmethod

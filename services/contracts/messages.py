@@ -56,12 +56,16 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
-    max_new_tokens: int = Field(16, ge=1, le=2**20)
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (below 1e-6: greedy, as SGLang)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0,
+                         description="nucleus sampling: the smallest set of tokens whose probability reaches top_p")
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1, description="sample among the k likeliest tokens; -1: all")
+    max_new_tokens: int = Field(16, ge=1, le=2**20, description="the most tokens one reply may generate")
+    stop_token_ids: list[TokenId] = Field(default_factory=list,
+                                          description="token ids that end a reply, besides the tokenizer's "
+                                                      "end-of-sequence")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1,
+                             description="a sampling seed (same seed, same tokens, whatever the batch); null: random")
 
 
 class GenerateRequest(Message):

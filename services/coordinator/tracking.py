@@ -1,14 +1,17 @@
 """Experiment logging researchers already use: TensorBoard event files and, optionally, Weights & Biases.
 
 ``RunLogger`` writes what the coordinator already aggregates from the events stream and its own
-episodes: per agent the train-step metrics (at their weight version), the training reward per group,
-the held-out eval scores (per opponent too: score, standard error, illegal rate), the illegal or
-format-failure rate of its training episodes per weight version, the pipeline (queue depth,
-in-flight turns, groups kept / dropped / in flight, weight version), and every
-``logging.text_every``-th episode's transcript as text (docs/architecture.md §10). TensorBoard tags
-are ``<agent>/<section>/<name>`` (``A/train/pg_loss``, ``A/reward/group``, ``A/eval/score``,
-``A/eval_minimax/score_se``, ``A/play/illegal_rate``, ``A/pipeline/queue_depth``); W&B gets the
-same keys, each section on its own step axis. ``follow`` runs beside the coordinator and hands what
+episodes: per agent the train-step metrics, the training reward of the groups that finished at each
+step (mean, min, max, count), the held-out eval per opponent (score, standard error, wins / draws /
+losses, illegal rate), the illegal or format-failure rate of its training episodes, the pipeline
+(queue depth, in-flight turns, groups kept / dropped / in flight, loaded weight version), and every
+``logging.text_every``-th episode's transcript as text (docs/architecture.md §10). Every scalar has
+one step axis, the agent's training step (its weight version): a train step at the version it made, an
+evaluation at the version it scored, a group and a pipeline sample at the newest version trained when
+they happened (with the wall time they were taken as TensorBoard's wall time). TensorBoard tags are
+``<agent>/<section>/<name>`` (``A/train/pg_loss``, ``A/reward/group_mean``, ``A/eval_minimax/score``,
+``A/play/illegal_rate``, ``A/pipeline/queue_depth``); W&B gets the same keys, with
+``<agent>/<section>/weight_version`` as each section's step. ``follow`` runs beside the coordinator and hands what
 is new to ``on_train_step``, ``on_group_reward``, ``on_eval``, ``on_play``, ``on_episode`` and
 ``on_pipeline`` every ``logging.interval_s``; ``close`` writes what is left and flushes. The writes
 run off the event loop.
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from services.common.extras import require
 from services.contracts.config import TandemConfig
 
 log = logging.getLogger("tandem.tracking")
@@ -45,18 +49,29 @@ class Batch:
     """What is new since the last write."""
 
     steps: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    rewards: list[tuple[str, int, float, float]] = field(default_factory=list)  # agent, index, time, reward
+    rewards: list[tuple[str, int, dict[str, float]]] = field(default_factory=list)  # agent, step, group rewards
     evals: list[dict[str, Any]] = field(default_factory=list)
     episodes: list[dict[str, Any]] = field(default_factory=list)
-    pipeline: dict[str, dict[str, float]] = field(default_factory=dict)
+    pipeline: dict[str, tuple[int, dict[str, float]]] = field(default_factory=dict)  # agent: step, values
     play: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)  # agent, version, counts report
-    elapsed: int = 0
 
 
 def numeric(data: dict[str, Any]) -> dict[str, float]:
     """The finite numbers of a metrics dict (booleans and strings dropped)."""
     return {k: float(v) for k, v in data.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def trained_version_at(steps: list[dict[str, Any]], at: float) -> int:
+    """The newest weight version trained at time ``at`` (steps rebuilt after a restart have no time: earlier)."""
+    done = [int(s["weight_version"]) for s in steps
+            if isinstance(s.get("weight_version"), int) and (s.get("time") is None or s["time"] <= at)]
+    return max(done, default=0)
+
+
+def reward_figures(rewards: list[float]) -> dict[str, float]:
+    return {"group_mean": sum(rewards) / len(rewards), "group_min": min(rewards), "group_max": max(rewards),
+            "groups": float(len(rewards))}
 
 
 def transcript_markdown(rec: dict[str, Any]) -> str:
@@ -85,7 +100,7 @@ class RunLogger:
         self.cursors: dict[str, int] = {}
         self.episodes_seen = 0
         self.steps_seen: dict[str, int] = {}
-        self.started = time.time()
+        self.group_rewards: dict[str, dict[int, list[float]]] = {}  # agent: step -> rewards not yet written
         self.lock = threading.Lock()  # one write at a time (the follower's and the final one)
 
     # --- writers --------------------------------------------------------------
@@ -99,6 +114,7 @@ class RunLogger:
 
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), flush_secs=10)
         if self.opts.wandb is not None and self.opts.wandb.mode != "disabled":
+            require("wandb", "logging.wandb")
             import wandb
 
             (self.dir / "wandb").mkdir(parents=True, exist_ok=True)
@@ -108,23 +124,22 @@ class RunLogger:
                                     settings=wandb.Settings(console="off", silent=True))
             for agent in self.cfg.agents:
                 opponents = [f"eval_{o}" for o in self._opponents()]
-                for section, axis in (("train", "weight_version"), ("reward", "group"), ("eval", "weight_version"),
-                                      ("play", "weight_version"), ("pipeline", "elapsed_s"),
-                                      *((o, "weight_version") for o in opponents)):
-                    self.wandb.define_metric(f"{agent}/{section}/{axis}")
-                    self.wandb.define_metric(f"{agent}/{section}/*", step_metric=f"{agent}/{section}/{axis}")
+                for section in ("train", "reward", "play", "pipeline", *opponents):
+                    self.wandb.define_metric(f"{agent}/{section}/weight_version")
+                    self.wandb.define_metric(f"{agent}/{section}/*", step_metric=f"{agent}/{section}/weight_version")
 
     def _opponents(self) -> list[str]:
         from services.play.evaluation import opponent_label
 
         return [opponent_label(o) for o in self.cfg.environment.eval.opponent_list()]
 
-    def _scalars(self, prefix: str, values: dict[str, float], step: int, axis: str) -> None:
+    def _scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+        """``values`` under ``prefix`` at training step ``step`` (the agent's weight version)."""
         if self.tb is not None:
             for k, v in values.items():
                 self.tb.add_scalar(f"{prefix}/{k}", v, global_step=step)
         if self.wandb is not None and values:
-            self.wandb.log({f"{prefix}/{k}": v for k, v in values.items()} | {f"{prefix}/{axis}": step})
+            self.wandb.log({f"{prefix}/{k}": v for k, v in values.items()} | {f"{prefix}/weight_version": step})
 
     # --- what is logged -------------------------------------------------------
     def on_train_step(self, agent: str, metrics: dict[str, Any]) -> None:
@@ -133,29 +148,26 @@ class RunLogger:
         self.steps_seen[agent] = self.steps_seen.get(agent, 0) + 1
         step = int(values.pop("weight_version", self.steps_seen[agent]))  # without a version: its count
         values.pop("time", None)
-        self._scalars(f"{agent}/train", values, step, "weight_version")
+        self._scalars(f"{agent}/train", values, step)
 
-    def on_group_reward(self, agent: str, index: int, reward: float) -> None:
-        """The mean reward of the agent's samples in its ``index``-th training group (1-based)."""
-        self._scalars(f"{agent}/reward", {"group": reward}, index, "group")
+    def on_group_rewards(self, agent: str, step: int, figures: dict[str, float]) -> None:
+        """The training groups that finished while ``step`` was the agent's newest version: their mean
+        reward's mean, min and max, and how many there were."""
+        self._scalars(f"{agent}/reward", figures, step)
 
     def on_eval(self, entry: dict[str, Any]) -> None:
-        """One held-out evaluation (start, end or on demand): score, wins/draws/losses per agent."""
-        for agent, score in entry.get("scores", {}).items():
-            detail = entry.get("details", {}).get(agent, {})
-            values = numeric({k: detail.get(k) for k in ("wins", "draws", "losses", "mean_reward")})
-            if isinstance(score, int | float):
-                values["score"] = float(score)
+        """One held-out evaluation (start, every n steps, end or on demand), per agent and opponent, at the
+        weight version it scored."""
+        for agent, per_opponent in (entry.get("vs") or {}).items():
             step = int(entry.get("versions", {}).get(agent, 0))
-            self._scalars(f"{agent}/eval", values, step, "weight_version")
-            for opponent, report in (entry.get("vs") or {}).get(agent, {}).items():
+            for opponent, report in per_opponent.items():
                 self._scalars(f"{agent}/eval_{opponent}", numeric({k: report.get(k) for k in (
-                    "score", "score_se", "wins", "draws", "losses", "illegal_rate")}), step, "weight_version")
+                    "score", "score_se", "wins", "draws", "losses", "illegal_rate", "mean_reward")}), step)
 
     def on_play(self, agent: str, version: int, report: dict[str, Any]) -> None:
         """The training episodes generated at one weight version: illegal / format-failure rates, reward."""
         self._scalars(f"{agent}/play", numeric({k: report.get(k) for k in (
-            "illegal_rate", "illegal_reply_rate", "mean_reward", "episodes")}), version, "weight_version")
+            "illegal_rate", "illegal_reply_rate", "mean_reward", "episodes")}), version)
 
     def on_episode(self, record: dict[str, Any]) -> None:
         """Every ``text_every``-th episode's transcript goes to TensorBoard as text."""
@@ -165,8 +177,9 @@ class RunLogger:
             self.tb.add_text(f"transcripts/{record.get('purpose', 'train')}", transcript_markdown(record),
                              global_step=self.episodes_seen)
 
-    def on_pipeline(self, agent: str, values: dict[str, float], elapsed: int) -> None:
-        self._scalars(f"{agent}/pipeline", values, elapsed, "elapsed_s")
+    def on_pipeline(self, agent: str, values: dict[str, float], step: int) -> None:
+        """The pipeline now, at the agent's newest trained version (TensorBoard's wall time says when)."""
+        self._scalars(f"{agent}/pipeline", values, step)
 
     # --- following the coordinator --------------------------------------------
     def _new(self, key: str, items: list[Any]) -> list[tuple[int, Any]]:
@@ -176,14 +189,15 @@ class RunLogger:
 
     def collect(self, coord: Followed, final: bool = False) -> Batch:
         """What is new in the coordinator's state (run on the event loop: it only copies)."""
-        batch = Batch(elapsed=int(time.time() - self.started))
+        batch = Batch()
+        now = time.time()
         for name, a in coord.state.agents.items():
             batch.steps += [(name, rec) for _, rec in self._new(f"steps/{name}", a.train_steps)]
-            batch.rewards += [(name, i, t, r) for i, (t, r) in self._new(f"rewards/{name}", a.group_rewards)]
+            batch.rewards += self._rewards(name, a.train_steps, a.group_rewards, final)
             pipe = numeric({k: a.rollout.get(k) for k in PIPELINE_KEYS})
             pipe.update(weight_version=a.loaded_weight_version, groups_kept=a.kept_groups,
                         groups_dropped=a.dropped_groups, groups_in_flight=a.in_flight_groups)
-            batch.pipeline[name] = pipe
+            batch.pipeline[name] = (trained_version_at(a.train_steps, now), pipe)
             done = self.cursors.get(f"play/{name}", -1)  # a version is written once a newer one exists
             versions = sorted(v for v in a.train_play if v > done)
             ready = versions if final else versions[:-1]
@@ -197,6 +211,16 @@ class RunLogger:
             batch.episodes = list(coord.episodes.values())[-fresh:]
         return batch
 
+    def _rewards(self, agent: str, steps: list[dict[str, Any]], groups: list[tuple[float, float]], final: bool
+                 ) -> list[tuple[str, int, dict[str, float]]]:
+        """The group rewards per training step; a step is written once a newer version exists (or at the end)."""
+        pending = self.group_rewards.setdefault(agent, {})
+        for _, (at, reward) in self._new(f"rewards/{agent}", groups):
+            pending.setdefault(trained_version_at(steps, at), []).append(reward)
+        newest = trained_version_at(steps, math.inf)
+        ready = sorted(s for s in pending if final or s < newest)
+        return [(agent, s, reward_figures(pending.pop(s))) for s in ready]
+
     def write(self, batch: Batch) -> None:
         with self.lock:
             if not self.closed:
@@ -206,14 +230,14 @@ class RunLogger:
         self.open()
         for agent, rec in batch.steps:
             self.on_train_step(agent, rec)
-        for agent, index, _, reward in batch.rewards:
-            self.on_group_reward(agent, index, reward)
+        for agent, step, figures in batch.rewards:
+            self.on_group_rewards(agent, step, figures)
         for entry in batch.evals:
             self.on_eval(entry)
         for rec in batch.episodes:
             self.on_episode(rec)
-        for agent, values in batch.pipeline.items():
-            self.on_pipeline(agent, values, batch.elapsed)
+        for agent, (step, values) in batch.pipeline.items():
+            self.on_pipeline(agent, values, step)
         for agent, version, report in batch.play:
             self.on_play(agent, version, report)
         if self.tb is not None:

@@ -19,7 +19,7 @@ time, in 8.9 guesses (binary search: 5.8, at most 7). Measured at the defaults (
 the range less well). Reinforcement learning has to find that guesses near the midpoint pay
 (``tests/bench/guess_sweep.py`` measures it; ``configs/guess_demo.yaml`` runs it with ``tandem up``):
 GRPO with the environment's shaping ``info_shaping`` and a KL term to this start brings the mean
-guesses when found from 9.35 to 8.3 in 60 steps on 3 seeds (README, "Guess the number").
+guesses when found from 9.35 to 8.3 in 60 steps on 3 seeds (docs/results/language_demos.md).
 
 CLI: ``tandem init-demo --task guess models/demo-guess`` or
 ``python -m services.demo.language OUT_DIR [--seed N] [--games N] [--epochs N]``.

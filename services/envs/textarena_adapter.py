@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from services.common.extras import missing
 from services.envs.base import Environment, EnvParamError, StepResult
 from services.envs.params import EnvParams
 
@@ -37,10 +38,10 @@ OPTION = re.compile(r"'(\[[^\]\n]{1,40}\])'")
 
 
 def _textarena() -> Any:
-    try:
-        import textarena
-    except ImportError as exc:  # pragma: no cover - it is a dependency
-        raise EnvParamError(f"textarena: the textarena package is not installed ({exc})") from None
+    if (message := missing("textarena", "environment textarena")) is not None:
+        raise EnvParamError(message)
+    import textarena
+
     return textarena
 
 
@@ -51,9 +52,9 @@ class TextArenaParams(EnvParams):
     @field_validator("game")
     @classmethod
     def _registered(cls, game: str) -> str:
+        _textarena()
         from textarena.envs.registration import ENV_REGISTRY
 
-        _textarena()
         if f"{game}-raw" not in ENV_REGISTRY:
             raise ValueError("not a registered TextArena id")
         return game

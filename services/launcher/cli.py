@@ -6,43 +6,64 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import metadata
 
-from services.contracts.config import ConfigError, load_config
+from services.common.cli_args import EVAL_DESCRIPTION, SERVE_DESCRIPTION, add_eval_arguments, add_serve_arguments
+from services.common.extras import missing
+from services.contracts.config import ConfigError
+from services.launcher.overrides import add_set_argument, load_with_overrides, write_effective
 from services.launcher.preflight import preflight
 from services.launcher.runs import add_run_commands, run_command
 from services.launcher.sweep import add_sweep_command, sweep_command
 
+CONFIG_HELP = "the experiment's YAML config (e.g. configs/demo.yaml)"
+
+
+def version() -> str:
+    try:
+        return f"tandem {metadata.version('tandem')}"
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "tandem (not installed)"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Co-train LLM agents over Redis Streams.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_up = sub.add_parser("up", help="start Redis and every service locally and run the experiment")
-    p_up.add_argument("config")
+    parser = argparse.ArgumentParser(prog="tandem", description="Co-train LLM agents by RL over Redis Streams.")
+    parser.add_argument("--version", action="version", version=version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_up = sub.add_parser("up", help="start Redis and every service locally and run the experiment",
+                          description="Start Redis and every service of the config as child processes, show the "
+                                      "run live, and write its report under run.output_dir/<run.name>.")
+    p_up.add_argument("config", help=CONFIG_HELP)
+    add_set_argument(p_up)
     state = p_up.add_mutually_exclusive_group()
     state.add_argument("--resume", action="store_true",
                        help="continue a stopped, crashed or interrupted run from its Redis data and checkpoints")
     state.add_argument("--fresh", action="store_true",
                        help="delete the run's directory, checkpoints and Redis keys first, then start over")
-    p_val = sub.add_parser("validate", help="check a config and exit")
-    p_val.add_argument("config")
+    p_val = sub.add_parser("validate", help="check a config (schema, model directories, Redis, ports) and exit")
+    p_val.add_argument("config", help=CONFIG_HELP)
+    add_set_argument(p_val)
     p_demo = sub.add_parser("init-demo", help="create and warm-start the demo model (skipped if present)")
     p_demo.add_argument("out_dir", nargs="?", default=None, help="default models/demo-ttt (--task guess: "
                         "models/demo-guess)")
     p_demo.add_argument("--task", choices=["tictactoe", "guess"], default="tictactoe",
                         help="tictactoe: the two-agent demo's model; guess: the guess-the-number language demo's")
-    p_demo.add_argument("--force", action="store_true")
-    sub.add_parser("envs", help="list the registered environments with their roles")
-    sub.add_parser("eval", help="score weights on a config's environment (tandem eval CONFIG --help)",
-                   add_help=False)
-    sub.add_parser("serve", help="serve the Tinker training API (tandem serve [CONFIG] [--port N])", add_help=False)
+    p_demo.add_argument("--force", action="store_true", help="build it again even if the directory holds a model")
+    sub.add_parser("envs", help="list the registered environments with their roles and parameters")
+    add_eval_arguments(sub.add_parser("eval", help="score weights on a config's environment without a run",
+                                      description=EVAL_DESCRIPTION))
+    add_serve_arguments(sub.add_parser("serve", help="serve the Tinker training API", description=SERVE_DESCRIPTION))
     add_run_commands(sub)
     add_sweep_command(sub)
     return parser
 
 
 def pass_through(argv: list[str]) -> None:
-    """``serve`` and ``eval`` parse their own options."""
+    """``serve`` and ``eval`` parse their own options (the same arguments as ``build_parser`` shows)."""
     if argv[:1] == ["serve"]:  # becomes the service's own process (services do not import each other)
+        if (message := missing("tinker", "tandem serve")) is not None:
+            print(message, file=sys.stderr)
+            raise SystemExit(2)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.execv(sys.executable, [sys.executable, "-m", "services.tinker_api", *argv[1:]])
     if argv[:1] == ["eval"]:  # services/play/offline_eval.py, run in-process
@@ -77,7 +98,8 @@ def init_demo(out_dir: str | None, force: bool, task: str = "tictactoe") -> None
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    pass_through(argv)
+    if argv[:1] in (["serve"], ["eval"]) and not {"-h", "--help"} & set(argv[1:]):
+        pass_through(argv)
     args = parser.parse_args(argv)
     if args.command == "envs":
         from services.envs.registry import describe_environments
@@ -92,18 +114,21 @@ def main(argv: list[str] | None = None) -> None:
         return init_demo(args.out_dir, args.force, args.task)
     mode = "validate" if args.command == "validate" else (
         "resume" if args.resume else "fresh" if args.fresh else "new")
+    source = " ".join([args.config, *(f"--set {s}" for s in args.set)])
     try:
-        cfg = load_config(args.config)
-        preflight(cfg, args.config, mode)
+        cfg, data = load_with_overrides(args.config, args.set)
+        preflight(cfg, source, mode)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "validate":
-        print(f"{args.config}: ok ({len(cfg.agents)} agents, environment {cfg.environment.name})")
+        print(f"{source}: ok ({len(cfg.agents)} agents, environment {cfg.environment.name})")
         return
     from services.launcher.up import up
 
-    raise SystemExit(up(cfg, args.config, resume=args.resume, fresh=args.fresh))
+    config_path = args.config if data is None else write_effective(cfg, data, source)
+
+    raise SystemExit(up(cfg, config_path, resume=args.resume, fresh=args.fresh))
 
 
 if __name__ == "__main__":

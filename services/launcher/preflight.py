@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from services.common.embedded_redis import server_binary
+from services.common.extras import missing
 from services.contracts.config import ConfigError, TandemConfig
 from services.envs.registry import check_environment_config
 
@@ -141,7 +142,18 @@ def preflight(cfg: TandemConfig, source: str, mode: Mode = "validate") -> None:
         if busy:
             problems.append(f"agents.{name}.engine_base_port: port(s) {busy} in use (0 picks free ports)")
     problems.extend(port_clashes(cfg))
-    if (problem := state_problem(cfg, source, mode)) is not None:
-        problems.append(problem)
+    problems.extend(extras_problems(cfg))
     if problems:
-        raise ConfigError(f"invalid config {source}:\n  " + "\n  ".join(problems))
+        what = "not ready to run" if mode == "validate" else "cannot start"
+        raise ConfigError(f"{source}: {what}:\n  " + "\n  ".join(problems))
+    if (problem := state_problem(cfg, source, mode)) is not None:
+        raise ConfigError(f"{source}: refused, to keep an earlier run's data:\n  {problem}")
+
+
+def extras_problems(cfg: TandemConfig) -> list[str]:
+    """The optional packages the config asks for and this install lacks, each naming its extra."""
+    wanted = [(f"agents.{name}.backend: megatron", "megatron") for name, a in cfg.agents.items()
+              if a.backend == "megatron"]
+    if cfg.logging.wandb is not None and cfg.logging.wandb.mode != "disabled":
+        wanted.append(("logging.wandb", "wandb"))
+    return [m for what, extra in wanted if (m := missing(extra, what)) is not None]

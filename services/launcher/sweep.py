@@ -221,7 +221,7 @@ def run_sub(sub: SubRun, redo: bool) -> int:
 
 def add_sweep_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="run a config over seeds and set-ups; one table (mean ± SE) and one plot")
-    p.add_argument("config")
+    p.add_argument("config", help="the base config (YAML) every sub-run starts from")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted key into the YAML for every set-up, e.g. run.total_steps=6")

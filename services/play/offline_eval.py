@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from services.common.cli_args import EVAL_DESCRIPTION, add_eval_arguments
 from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import SamplingParams
 from services.contracts.players import Local, Player
@@ -80,13 +81,8 @@ async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: li
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TandemConfig, dict[str, str],
                                                  list[str | dict[str, str]], int]:
     """The command line, checked against the config; ConfigError/ValueError name the bad argument."""
-    parser = argparse.ArgumentParser(prog="tandem eval", description=__doc__.splitlines()[0])
-    parser.add_argument("config")
-    parser.add_argument("--checkpoint", action="append", default=[], metavar="[AGENT=]DIR")
-    parser.add_argument("--opponent", action="append", default=[],
-                        help="a scripted player of the environment (repeatable); default: the config's eval opponents")
-    parser.add_argument("--episodes", type=int, default=None, help="default: the config's eval.episodes")
-    parser.add_argument("--out", default=None, help="JSON output (default runs/<run>/eval.json)")
+    parser = argparse.ArgumentParser(prog="tandem eval", description=EVAL_DESCRIPTION)
+    add_eval_arguments(parser)
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     env_cls = check_environment_config(cfg.environment)

@@ -9,17 +9,15 @@ import sys
 
 import uvicorn
 
+from services.common.cli_args import SERVE_DESCRIPTION, add_serve_arguments
 from services.common.embedded_redis import EmbeddedRedis
 from services.tinker_api.app import create_app
 from services.tinker_api.config import ConfigFileError, load_serve_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem serve", description="Serve the Tinker training API on Tandem.")
-    parser.add_argument("config", nargs="?", help="YAML with a tinker_api section (optional)")
-    parser.add_argument("--host", help="listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="listen port (default 8910)")
-    parser.add_argument("--data-dir", help="checkpoints, snapshots, embedded Redis (default runs/tinker)")
+    parser = argparse.ArgumentParser(prog="tandem serve", description=SERVE_DESCRIPTION)
+    add_serve_arguments(parser)
     args = parser.parse_args(argv)
     try:
         cfg = load_serve_config(args.config)

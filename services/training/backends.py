@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from services.common.extras import require
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
 
@@ -51,6 +52,7 @@ class Policy(Protocol):
 
 def make_policy(acfg: AgentConfig, temperature: float) -> Policy:
     if acfg.backend == "megatron":
+        require("megatron", "backend: megatron")
         from services.training.megatron import MegatronPolicy  # heavy; only when asked for
 
         return MegatronPolicy(acfg, temperature)

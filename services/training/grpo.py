@@ -32,7 +32,7 @@ def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: 
 
 
 # Past this many logits a pass is cut into chunks of rows instead of keeping float32 copies of the whole: a
-# 151,936-token vocabulary makes the full-batch float32 log-softmax and entropy tens of GB (README, "On one
+# 151,936-token vocabulary makes the full-batch float32 log-softmax and entropy tens of GB (docs/results/gpu.md, "On one
 # GPU"). Token logprobs write their gradient chunk by chunk (``_ChunkedLogprobs``); an entropy with a gradient
 # recomputes each chunk in the backward pass. Each row is computed exactly as without chunks.
 CHUNK_LOGITS = 2**25
