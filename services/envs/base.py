@@ -14,6 +14,7 @@ class's ``Params``, a pydantic model (params.py), declared once as the type argu
 dashboard's transcript browser: HTML or text, as ``render_format`` says.
 ``default_system`` holds, per role, the system message that tells a chat model the protocol;
 ``environment.params.system`` (``ChatParams``) replaces it per role, '' for none.
+``default_tools`` names, per role, the tools (services/envs/tools) a model player may call within its turn.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Environment(ABC, Generic[P]):
     summary_measures: ClassVar[tuple[str, ...] | None] = None
     # per role, the system message that tells a chat model the protocol (``params.system`` replaces it)
     default_system: ClassVar[dict[str, str]] = {}
+    # per role, the tools it may call (services/envs/tools; ``params.tools`` of ``ToolParams`` replaces it)
+    default_tools: ClassVar[dict[str, tuple[str, ...]]] = {}
     # a game: the final rewards say who won (win/draw/loss scores); otherwise evaluations report summary_means
     is_game: ClassVar[bool] = False
 
@@ -121,6 +124,17 @@ class Environment(ABC, Generic[P]):
     def default_system_prompt(self, role: str) -> str:
         """``role``'s default system message ('' for none): ``default_system``'s."""
         return self.default_system.get(role, "")
+
+    def tool_names(self, role: str) -> tuple[str, ...]:
+        """The tools ``role`` may call: ``params.tools``'s for the role when set, else ``default_tools``'s."""
+        chosen: dict[str, list[str]] | None = getattr(self.params, "tools", None)
+        if chosen is not None:
+            return tuple(chosen.get(role, ()))
+        return self.default_tools.get(role, ())
+
+    def tool_used(self, role: str, call: dict[str, Any]) -> None:
+        """Told of each tool call ``role`` made (name, arguments, result, error) before its turn's reply is
+        stepped; the default ignores it (an environment may count or grade tool use)."""
 
     def summary(self) -> dict[str, Any]:
         """A small JSON-able description of the episode's state/outcome."""
