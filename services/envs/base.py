@@ -147,6 +147,15 @@ class Environment(ABC, Generic[P]):
         return None
 
     @classmethod
+    def evaluation_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters evaluations play: ``params`` with a ``dataset``'s ``eval_split`` (its held-out split,
+        when set) as the split tasks are drawn from."""
+        dataset = params.get("dataset")
+        if isinstance(dataset, Mapping) and dataset.get("eval_split"):
+            return {**params, "dataset": {**dataset, "split": dataset["eval_split"]}}
+        return params
+
+    @classmethod
     def make_group(cls, params: Mapping[str, Any] | EnvParams, seed: int, size: int) -> list[Environment]:
         """G copies that share a baseline: same seed, same start (parameters validated once)."""
         checked = cls.check_params(params)
