@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tictactoe: the two-agent demo's model; guess: the guess-the-number language demo's")
     p_demo.add_argument("--force", action="store_true", help="build it again even if the directory holds a model")
     sub.add_parser("envs", help="list the registered environments with their roles and parameters")
+    p_info = sub.add_parser("info", help="print the version, devices, backends, engines, algorithms, environments "
+                            "and tools of this installation")
+    p_info.add_argument("--json", action="store_true", help="print it as JSON")
     add_eval_arguments(sub.add_parser("eval", help="score weights on a config's environment without a run",
                                       description=EVAL_DESCRIPTION))
     add_serve_arguments(sub.add_parser("serve", help="serve the Tinker training API", description=SERVE_DESCRIPTION))
@@ -105,6 +108,14 @@ def main(argv: list[str] | None = None) -> None:
         from services.envs.registry import describe_environments
 
         print(describe_environments())
+        return
+    if args.command == "info":
+        import json
+
+        from services.launcher.info import gather, render
+
+        info = gather()
+        print(json.dumps(info, indent=1) if args.json else render(info))
         return
     if args.command in ("runs", "compare"):
         raise SystemExit(run_command(args))
