@@ -90,6 +90,11 @@ class ChatRenderer:
         self.last_reply = (text, bool(output_ids) and output_ids[-1] == self.tok.eos_token_id)
         return text
 
+    def conversation(self) -> list[dict[str, str]]:
+        """The chat so far as messages (role, content), the last reply included: what the view renders."""
+        pending = [("assistant", self.last_reply[0])] if self.last_reply is not None else []
+        return [{"role": r, "content": c} for r, c in self.messages + pending]
+
     def _fallback(self, why: str) -> None:
         if self.exact and id(self.tok) not in _warned:
             _warned.add(id(self.tok))

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tictactoe: the two-agent demo's model; guess: the guess-the-number language demo's")
     p_demo.add_argument("--force", action="store_true", help="build it again even if the directory holds a model")
     sub.add_parser("envs", help="list the registered environments with their roles and parameters")
+    from services.play.collect import add_collect_arguments
+
+    add_collect_arguments(sub.add_parser("collect", help="play episodes with given weights and write the "
+                                         "trajectories as chat-format JSONL for supervised training"))
     p_info = sub.add_parser("info", help="print the version, devices, backends, engines, algorithms, environments "
                             "and tools of this installation")
     p_info.add_argument("--json", action="store_true", help="print it as JSON")
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
 
         print(describe_environments())
         return
+    if args.command == "collect":
+        from services.play.collect import main as collect_main
+
+        return collect_main(argv[1:])
     if args.command == "info":
         import json
 

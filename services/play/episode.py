@@ -73,6 +73,7 @@ class EpisodeResult:
     views: dict[str, View]
     summary: dict[str, Any]
     purpose: str
+    chats: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # per model role, its chat as messages
 
     def samples(self, group_samples: dict[str, int]) -> list[Sample]:
         """One Sample per view of an agent in ``group_samples`` (agent -> its samples in the whole group, the
@@ -247,7 +248,9 @@ async def _play(ep: _Episode, rng: random.Random) -> EpisodeResult:
             break
     rewards = final_rewards(env, episode_id, roles, rewards, turn_rewards)
     summary = {**env.summary(), **({"truncated": True} if truncated else {})}
-    return EpisodeResult(episode_id, ep.group_id, dict(roles), rewards, transcript, ep.views, summary, ep.purpose)
+    chats = {r: renderer.conversation() for r, renderer in ep.renderers.items()}
+    return EpisodeResult(episode_id, ep.group_id, dict(roles), rewards, transcript, ep.views, summary, ep.purpose,
+                         chats)
 
 
 def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> list[float]:
