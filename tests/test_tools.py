@@ -144,6 +144,8 @@ async def test_search_finds_the_catalogue_entry() -> None:
 def test_tool_params_name_a_bad_tool() -> None:
     with pytest.raises(ValueError, match="unknown tool 'nope'"):
         ToolParams(tools={"solver": ["nope"]})
+    with pytest.raises(ValueError, match=r"tools\.judge: no such role"):
+        load_environment("tool_math")({"tools": {"judge": ["calculator"]}}, 0)
     env = load_environment("tool_math")({"tools": {"solver": ["calculator"]}}, 0)
     assert env.tool_names("solver") == ("calculator",)
 

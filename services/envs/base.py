@@ -79,10 +79,11 @@ class Environment(ABC, Generic[P]):
         """``params`` validated as ``Params``; raises EnvParamError naming the bad parameter."""
         name = cls.env_name or cls.__name__
         checked = validate(name, cls.Params, params)
-        unknown = [r for r in getattr(checked, "system", {}) if r not in cls.roles]
-        if unknown:
-            raise EnvParamError(f"{name}: system.{unknown[0]}: no such role (roles: {', '.join(cls.roles)})",
-                                f"system.{unknown[0]}")
+        for per_role in ("system", "tools"):  # parameters keyed by role
+            unknown = [r for r in getattr(checked, per_role, None) or {} if r not in cls.roles]
+            if unknown:
+                raise EnvParamError(f"{name}: {per_role}.{unknown[0]}: no such role (roles: {', '.join(cls.roles)})",
+                                    f"{per_role}.{unknown[0]}")
         return checked
 
     @abstractmethod
