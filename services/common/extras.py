@@ -15,6 +15,8 @@ EXTRAS: dict[str, str] = {
     "wandb": "wandb",
     "textarena": "textarena",
     "models": "gguf",
+    "datasets": "pyarrow",  # Parquet dataset files
+    "hf-datasets": "datasets",  # directories saved by Hugging Face datasets
 }
 
 

@@ -262,7 +262,10 @@ class RunConfig(Strict):
                                   "more than N + max_staleness versions old leave the group ledger and the "
                                   "buffer's verdicts for runs/<run>/ledger.<agent>.jsonl (at least max_staleness "
                                   "+ 4 are kept)")
-    checkpoint_retention: CheckpointRetention = Field(default_factory=CheckpointRetention)
+    checkpoint_retention: CheckpointRetention = Field(
+        default_factory=CheckpointRetention,
+        description="weight versions the trainer keeps on disk: the newest keep_last, every keep_every-th; every "
+                    "evaluated version is always kept")
 
 
 class ApiConfig(Strict):

@@ -14,6 +14,7 @@ class's ``Params``, a pydantic model (params.py), declared once as the type argu
 dashboard's transcript browser: HTML or text, as ``render_format`` says.
 ``default_system`` holds, per role, the system message that tells a chat model the protocol;
 ``environment.params.system`` (``ChatParams``) replaces it per role, '' for none.
+``default_tools`` names, per role, the tools (services/envs/tools) a model player may call within its turn.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Environment(ABC, Generic[P]):
     summary_measures: ClassVar[tuple[str, ...] | None] = None
     # per role, the system message that tells a chat model the protocol (``params.system`` replaces it)
     default_system: ClassVar[dict[str, str]] = {}
+    # per role, the tools it may call (services/envs/tools; ``params.tools`` of ``ToolParams`` replaces it)
+    default_tools: ClassVar[dict[str, tuple[str, ...]]] = {}
     # a game: the final rewards say who won (win/draw/loss scores); otherwise evaluations report summary_means
     is_game: ClassVar[bool] = False
 
@@ -76,10 +79,11 @@ class Environment(ABC, Generic[P]):
         """``params`` validated as ``Params``; raises EnvParamError naming the bad parameter."""
         name = cls.env_name or cls.__name__
         checked = validate(name, cls.Params, params)
-        unknown = [r for r in getattr(checked, "system", {}) if r not in cls.roles]
-        if unknown:
-            raise EnvParamError(f"{name}: system.{unknown[0]}: no such role (roles: {', '.join(cls.roles)})",
-                                f"system.{unknown[0]}")
+        for per_role in ("system", "tools"):  # parameters keyed by role
+            unknown = [r for r in getattr(checked, per_role, None) or {} if r not in cls.roles]
+            if unknown:
+                raise EnvParamError(f"{name}: {per_role}.{unknown[0]}: no such role (roles: {', '.join(cls.roles)})",
+                                    f"{per_role}.{unknown[0]}")
         return checked
 
     @abstractmethod
@@ -122,6 +126,17 @@ class Environment(ABC, Generic[P]):
         """``role``'s default system message ('' for none): ``default_system``'s."""
         return self.default_system.get(role, "")
 
+    def tool_names(self, role: str) -> tuple[str, ...]:
+        """The tools ``role`` may call: ``params.tools``'s for the role when set, else ``default_tools``'s."""
+        chosen: dict[str, list[str]] | None = getattr(self.params, "tools", None)
+        if chosen is not None:
+            return tuple(chosen.get(role, ()))
+        return self.default_tools.get(role, ())
+
+    def tool_used(self, role: str, call: dict[str, Any]) -> None:
+        """Told of each tool call ``role`` made (name, arguments, result, error) before its turn's reply is
+        stepped; the default ignores it (an environment may count or grade tool use)."""
+
     def summary(self) -> dict[str, Any]:
         """A small JSON-able description of the episode's state/outcome."""
         return {}
@@ -131,6 +146,15 @@ class Environment(ABC, Generic[P]):
         """Draw an episode state (a ``summary()`` dict) for people: ``render_format`` text or an HTML
         fragment, or None when the environment has no drawing (the default)."""
         return None
+
+    @classmethod
+    def evaluation_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters evaluations play: ``params`` with a ``dataset``'s ``eval_split`` (its held-out split,
+        when set) as the split tasks are drawn from."""
+        dataset = params.get("dataset")
+        if isinstance(dataset, Mapping) and dataset.get("eval_split"):
+            return {**params, "dataset": {**dataset, "split": dataset["eval_split"]}}
+        return params
 
     @classmethod
     def make_group(cls, params: Mapping[str, Any] | EnvParams, seed: int, size: int) -> list[Environment]:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import random
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from services.envs.datasets import DatasetSpec
 from services.envs.sandbox import run_python
 from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
@@ -94,10 +96,31 @@ def make_code_task(rng: random.Random, limits: dict[str, Any]) -> CodeTask:
                     wrong=f"```python\ndef f({arg}):\n    return {wrong}\n```", cases=cases, limits=limits)
 
 
+def code_task_from(row: dict[str, Any], spec: DatasetSpec, limits: dict[str, Any]) -> CodeTask:
+    """A dataset row as a task: its ``prompt`` column, its ``tests`` column (a list of [arguments, expected]
+    pairs for ``f``, or that list as JSON text) and, when mapped or present, a ``reference`` solution."""
+    tests = row[spec.column("tests")]
+    tests = json.loads(tests) if isinstance(tests, str) else tests
+    if not isinstance(tests, list) or not tests:
+        raise ValueError(f"{spec.path}: tests must be a non-empty list of [arguments, expected] pairs")
+    cases = [(tuple(args), expected) for args, expected in tests]
+    return CodeTask(prompt=str(row[spec.column("prompt")]), reference=str(row.get(spec.column("reference"), "")),
+                    wrong="```python\ndef f(*args):\n    return None\n```", cases=cases, limits=limits)
+
+
 class CodeParams(VerifiableParams):
     cpu_s: int = Field(2, ge=1, le=10, description="sandbox CPU seconds")
     memory_mb: int = Field(256, ge=64, le=2048, description="sandbox memory")
     wall_s: float = Field(5.0, ge=1.0, le=30.0, description="sandbox wall clock")
+    dataset: DatasetSpec | None = Field(None, description="draw the tasks from a local dataset (prompt, tests, "
+                                        "optional reference) instead of generating them (docs/guides/datasets.md)")
+
+    @field_validator("dataset")
+    @classmethod
+    def _has_code_fields(cls, dataset: DatasetSpec | None) -> DatasetSpec | None:
+        if dataset is not None:
+            dataset.require("prompt", "tests")
+        return dataset
 
 
 class _CodeMixin(_Verifiable[CodeParams]):
@@ -112,7 +135,11 @@ class _CodeMixin(_Verifiable[CodeParams]):
 
     def make_task(self, rng: random.Random) -> Task:
         p = self.params
-        return make_code_task(rng, {"cpu_s": p.cpu_s, "memory_mb": p.memory_mb, "wall_s": p.wall_s})
+        limits = {"cpu_s": p.cpu_s, "memory_mb": p.memory_mb, "wall_s": p.wall_s}
+        if p.dataset is not None:
+            rows = p.dataset.rows()
+            return code_task_from(rows[rng.randrange(len(rows))], p.dataset, limits)
+        return make_code_task(rng, limits)
 
     async def grade(self, reply: str) -> float | None:
         return await asyncio.to_thread(self.task.grade, reply)  # a subprocess: keep it off the event loop

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
+from services.envs.datasets import DatasetSpec
 from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 KINDS = ("arith", "linear")
@@ -48,9 +49,29 @@ def make_math_task(rng: random.Random, kinds: list[str], n: int) -> MathTask:
     return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
 
 
+def math_task_from(row: dict, spec: DatasetSpec) -> MathTask:
+    """A dataset row as a task: its ``question`` column, graded against the last integer of its ``answer``
+    column (GSM8K's "... #### 72" included; thousands separators dropped)."""
+    found = INTEGER.findall(str(row[spec.column("answer")]).replace(",", ""))
+    if not found:
+        raise ValueError(f"{spec.path}: answer {row[spec.column('answer')]!r} holds no integer")
+    answer = int(found[-1])
+    return MathTask(prompt=str(row[spec.column("question")]), reference=str(answer), wrong=str(answer + 1),
+                    answer=answer)
+
+
 class MathParams(VerifiableParams):
     kinds: str = Field("arith,linear", description=f"a comma list of {', '.join(KINDS)}")
     max_operand: int = Field(9, ge=1, le=1000)
+    dataset: DatasetSpec | None = Field(None, description="draw the problems from a local dataset (question, "
+                                        "answer) instead of generating them (docs/guides/datasets.md)")
+
+    @field_validator("dataset")
+    @classmethod
+    def _has_math_fields(cls, dataset: DatasetSpec | None) -> DatasetSpec | None:
+        if dataset is not None:
+            dataset.require("question", "answer")
+        return dataset
 
     @field_validator("kinds")
     @classmethod
@@ -70,6 +91,9 @@ class _MathMixin(_Verifiable[MathParams]):
     }
 
     def make_task(self, rng: random.Random) -> Task:
+        if self.params.dataset is not None:
+            rows = self.params.dataset.rows()
+            return math_task_from(rows[rng.randrange(len(rows))], self.params.dataset)
         return make_math_task(rng, [k.strip() for k in self.params.kinds.split(",")], self.params.max_operand)
 
 

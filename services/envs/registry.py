@@ -23,6 +23,8 @@ BUILTINS: dict[str, str] = {
     "code": "services.envs.code_tasks:Code",
     "code_critic": "services.envs.code_tasks:CodeCritic",
     "textarena": "services.envs.textarena_adapter:TextArena",
+    "tool_math": "services.envs.tool_tasks:ToolMath",
+    "tool_relay": "services.envs.tool_tasks:ToolRelay",
 }
 
 

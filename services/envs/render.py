@@ -51,9 +51,10 @@ class ChatRenderer:
         self.last_reply: tuple[str, bool] | None = None  # (text, ended with eos) of the last reply
         self.exact = True
 
-    def user_turn(self, text: str) -> list[int]:
+    def user_turn(self, text: str, role: str = "user") -> list[int]:
         """Tokens to append before the next generation: the end of the previous assistant
-        turn (if any) and ``text`` as a user message with the generation prompt."""
+        turn (if any) and ``text`` as a ``role`` message (a user's, or a tool result's: "tool")
+        with the generation prompt."""
         closer: list[int] = []
         before = self.prompt
         if self.last_reply is not None:
@@ -72,14 +73,14 @@ class ChatRenderer:
                 self._fallback("the rendered assistant turn does not extend the prompt")
                 closer = [] if ended else [self.tok.eos_token_id]
             self.last_reply = None
-        self.messages.append(("user", text))
+        self.messages.append((role, text))
         prompt = _render_str(self.tok, tuple(self.messages), True)
         if self.exact and prompt.startswith(before):
             delta = list(_encode(self.tok, prompt[len(before):]))
         else:
             self._fallback("the rendered prompt does not extend the previous turns")
             system = [m for m in self.messages if m[0] == "system"][:1]
-            delta = list(_encode(self.tok, _render_str(self.tok, tuple(system + [("user", text)]), True)))
+            delta = list(_encode(self.tok, _render_str(self.tok, tuple(system + [(role, text)]), True)))
         self.prompt = prompt
         return closer + delta
 
@@ -88,6 +89,11 @@ class ChatRenderer:
         text = self.tok.decode(output_ids, skip_special_tokens=True)
         self.last_reply = (text, bool(output_ids) and output_ids[-1] == self.tok.eos_token_id)
         return text
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The chat so far as messages (role, content), the last reply included: what the view renders."""
+        pending = [("assistant", self.last_reply[0])] if self.last_reply is not None else []
+        return [{"role": r, "content": c} for r, c in self.messages + pending]
 
     def _fallback(self, why: str) -> None:
         if self.exact and id(self.tok) not in _warned:

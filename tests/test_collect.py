@@ -1,0 +1,82 @@
+"""``tandem collect``: trajectories as chat-format JSONL, read by the Tinker cookbook's conversation loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.play.collect import weight_version
+from tests.helpers import REPO
+
+COOKBOOK = Path(os.environ.get("TANDEM_COOKBOOK_VENV", REPO / "build" / "cookbook-venv")) / "bin" / "python"
+LOADER = """
+import sys
+from tinker_cookbook.supervised.data import FromConversationFileBuilder
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=sys.argv[2], renderer_name="role_colon",
+                                        max_length=4096, batch_size=2)
+train, test = FromConversationFileBuilder(file_path=sys.argv[1], common_config=common)()
+batch = train.get_batch(0)
+print(len(train), len(batch), sum(len(d.model_input.to_ints()) for d in batch))
+"""
+
+
+def collect(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.launcher.cli", "collect", str(config), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def relay_config(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    d = tmp_path_factory.mktemp("collect")
+    cfg = yaml.safe_load((REPO / "configs" / "tool_relay.yaml").read_text())
+    cfg["environment"]["params"]["system"] = {"researcher": "", "buyer": ""}
+    cfg["environment"]["params"]["tools"] = {"researcher": ["calculator"]}
+    for agent in cfg["agents"].values():
+        agent["model_path"] = str(tiny_model_dir)
+        agent["sampling"]["max_new_tokens"] = 8
+    path = d / "tool_relay.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_collect_writes_chat_records_with_rewards_and_versions(relay_config: Path, tiny_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    ckpt = tmp_path / "v00003"
+    ckpt.symlink_to(tiny_model_dir, target_is_directory=True)
+    out = tmp_path / "traj.jsonl"
+    proc = collect(relay_config, "--checkpoint", f"A={ckpt}", "--episodes", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 8 and "8 trajectories written" in proc.stdout  # 4 episodes x 2 model roles
+    for row in rows:
+        roles = [m["role"] for m in row["messages"]]
+        assert roles[0] == ("system" if row["role"] == "researcher" else "user") and roles[-1] == "assistant"
+        assert set(roles) <= {"system", "user", "assistant", "tool"}
+        assert isinstance(row["reward"], float) and {"right", "report_right"} <= set(row["measures"])
+        assert row["weight_version"] == (3 if row["agent"] == "A" else 0)
+    kept = tmp_path / "kept.jsonl"
+    proc = collect(relay_config, "--episodes", "4", "--out", str(kept), "--min-reward", "0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(json.loads(line)["reward"] >= 0.5 for line in kept.read_text().splitlines())
+    if not COOKBOOK.exists():
+        pytest.skip(f"no Tinker cookbook virtualenv at {COOKBOOK} (`make cookbook-venv`)")
+    loaded = subprocess.run([str(COOKBOOK), "-c", LOADER, str(out), str(tiny_model_dir)], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    n, batch, tokens = map(int, loaded.stdout.split()[-3:])
+    assert n == 4 and batch == 2 and tokens > 0  # 8 conversations in batches of 2, rendered to tokens
+
+
+def test_bad_collect_arguments_fail_with_a_reason(relay_config: Path, tmp_path: Path) -> None:
+    proc = collect(relay_config, "--checkpoint", f"Z={tmp_path}", "--episodes", "1", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "no agent 'Z'" in proc.stderr
+    proc = collect(relay_config, "--episodes", "0", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "--episodes 0" in proc.stderr
+    assert weight_version("/x/v00012") == 12 and weight_version("/models/smollm2") == 0
