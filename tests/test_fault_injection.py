@@ -54,7 +54,8 @@ def write_config(d: Path, model: Path) -> Path:
     data["environment"].update(group_size=4)
     data["environment"]["eval"]["episodes"] = 8
     for acfg in data["agents"].values():
-        acfg.update(model_path=str(model), groups_per_batch=2)
+        # the untrained tiny model's replies are all illegal (no learning signal): this run tests the plumbing
+        acfg.update(model_path=str(model), groups_per_batch=2, max_no_signal_steps=0)
         if os.environ.get("TANDEM_FAULT_LORA") == "1":
             acfg["lora"] = {"r": 4, "alpha": 8}
     path = d / f"{RUN}.yaml"

@@ -63,10 +63,12 @@ def test_llm_answer_runs_two_steps_on_the_real_model_with_both_agents_trained(re
         a = summary["agents"][name]
         assert a["steps"] == 2 and a["weight_versions"] == 2, a
         assert isinstance(a["eval_start"], float) and isinstance(a["eval_end"], float)
-    # LoRA trained: each version is a full merged model the engines loaded, not the start weights
+    # LoRA trained: each version is published as the PEFT adapter alone (the engines keep the base resident)
     for name in agents:
-        versions = sorted((tmp_path / "ckpt" / "llm_answer" / name).glob("v*/config.json"))
+        versions = sorted((tmp_path / "ckpt" / "llm_answer" / name).glob("v*/adapter_config.json"))
         assert versions, f"no published version of {name}"
+        assert all(not (v.parent / "model.safetensors").exists() for v in versions), versions
+        assert all((v.parent / "adapter_model.safetensors").stat().st_size < 20e6 for v in versions), versions
 
 
 async def test_a_reply_without_an_integer_is_malformed_for_the_role_that_gave_it():

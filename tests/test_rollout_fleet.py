@@ -77,7 +77,7 @@ def test_sglang_engine_commands() -> None:
     embedded = engine_command(AgentConfig(model_path="m", max_inflight_per_engine=8), "B", 0, 9000)
     assert embedded[1:] == ["-m", "services.engine", "--model-path", "m", "--host", "127.0.0.1", "--port", "9000",
                             "--engine-id", "B-0", "--agent", "B", "--max-batch", "8", "--device", "cpu",
-                            "--dtype", "float32"]
+                            "--dtype", "float32", "--prefix-cache-mb", "256.0"]
 
 
 def test_config_fields_of_the_lifecycle() -> None:
@@ -349,6 +349,7 @@ async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str
     try:
         coord = Coordinator(cfg, bus)
         data = {"queue_depth": 3, "inflight": 2, "capacity": 64, "waiting": 0, "router": "http://r",
+                "router_restarts": 0,
                 "engines": [{"url": "http://e0", "healthy": True, "restarts": 1, "num_reqs": 2}]}
         await coord.on_event(RolloutLoad(source="rollout-A", agent="A", **data))
         assert coord.state.status()["agents"]["A"]["rollout"] == data

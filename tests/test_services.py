@@ -197,7 +197,7 @@ async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, ti
         await rollout.publish_load()
         (load,) = [e for e in await entries(bus, s.events, Event) if e.kind == "rollout_load"]
         assert load.report() == {"queue_depth": 0, "inflight": 0, "capacity": rollout.concurrency, "waiting": 0,
-                                 "router": router_url,
+                                 "router": router_url, "router_restarts": 0,
                                  "engines": [{"url": engine_url, "healthy": True}]}
     finally:
         await rollout.close()

@@ -5,9 +5,8 @@ from their owners, facts.py), ``on_control`` (control). Main loop (``Coordinator
 agent against the env's scripted opponents (evals.py); launch GRPO groups while the staleness gate allows
 (state.py) and the run is not paused, evaluating every ``eval.every_n_steps`` beside them; when every
 agent has loaded its last version, evaluate again, write the report and tell all services to stop.
-A group playing past ``run.group_timeout_s`` or 4 x the slowest recent one is abandoned.
-Restartable at any moment: ``restore`` rebuilds the run state at start from Redis (record.py: flags,
-evaluations, versions from their owners; ledger.py: every group); what arrived meanwhile waits in its groups.
+A group playing past ``run.group_timeout_s`` or 4 x the slowest recent one is abandoned. Restartable:
+``restore`` rebuilds the run state from Redis (record.py, ledger.py).
 """
 
 from __future__ import annotations

@@ -10,24 +10,17 @@ The worker thread owns the model and loops step by step. Each step it
 3. decodes one token for every running row, samples per row (temperature, top-p, top-k, its own
    seeded generator) and lets finished rows leave the batch (their cache rows are dropped).
 
-Admission in short windows: requests reach the engine one by one (one HTTP request each), so a
-prefill per arrival would split the batch into many small groups, each decoding out of step with the
-others. Queued requests are admitted once no new one has arrived for ``admit_quiet_s``, the oldest
-has waited ``admit_window_s``, or they fill the batch's free room; meanwhile the running rows go on
-decoding. Both default to 0 (admit at the next step: in-process callers that generate one request
-at a time wait for nothing); the HTTP server uses 2 ms and 20 ms. ``generate_many`` queues many
-requests at once (SGLang's batch ``/generate``): a call of several is admitted at once, without the
-wait (its caller gathered them already: the rollout batches the turns of one read).
+Admission in short windows, so that one-by-one HTTP arrivals prefill together: queued requests are
+admitted once none arrived for ``admit_quiet_s``, the oldest waited ``admit_window_s``, or they fill the
+batch (defaults 0 in process; 2 ms and 20 ms over HTTP); ``generate_many`` (SGLang's batch ``/generate``)
+admits its requests at once.
 
 A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``), as
 the trainer's full-sequence forward computes it; top-p / top-k only restrict what may be drawn.
 
-Weight updates (``/update_weights_from_disk``) follow SGLang: when generation is not paused, the
-load waits until the running requests have finished and admits nothing new meanwhile, so every
-request runs wholly on one version. When generation is paused (``in_place``), the load happens at
-once and the running requests go on with the new weights after ``/continue_generation``; each
-request records the token counts at which its version changed, reported as SGLang's
-``meta_info.weight_versions`` spans ``[{"version", "start", "end"}]``.
+Weight updates (``/update_weights_from_disk``) follow SGLang: unpaused, the load waits for the running
+requests to finish (each runs wholly on one version); paused (``in_place``), it happens at once and each
+request records where its version changed (``meta_info.weight_versions`` spans).
 
 LoRA adapters (``adapters.LoraAdapters``) sit on the resident base under names; a request that names one
 (``GenRequest.lora``, SGLang's ``lora_path``) has it applied to its rows in every forward pass, so one batch

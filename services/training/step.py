@@ -114,7 +114,7 @@ class TrainingStep(ABC):
         params = getattr(self, "trainable", None) or [p for g in self.optimizer.param_groups for p in g["params"]]
         return all(bool(torch.isfinite(p).all()) for p in params)
 
-    def params(self) -> list[torch.Tensor]:
+    def all_params(self) -> list[torch.Tensor]:
         """Every weight of the policy, frozen ones too (the activation count leaves them out)."""
         model = getattr(self, "model", None)
         if isinstance(model, torch.nn.Module):
@@ -123,7 +123,7 @@ class TrainingStep(ABC):
 
     def activation_meter(self) -> ActivationMeter:
         if self._meter is None:
-            self._meter = ActivationMeter(self.params())
+            self._meter = ActivationMeter(self.all_params())
         self._meter.reset()
         return self._meter
 
