@@ -14,7 +14,7 @@ the ``groups_per_batch`` oldest ready groups, drops any that are staler than
 ``max_staleness`` for the step it trains towards, and is written to
 ``batches:{agent}`` in the same transaction that removes its samples.
 
-Every group the coordinator emitted ends in exactly one verdict (the group ledger, issue 11):
+Every group the coordinator emitted ends in exactly one verdict (the group ledger):
 ``kept``, ``dropped:<reason>`` (zero variance; ``stale`` at release, the one change a kept
 group may still see) or ``abandoned:<reason>``. The first verdict is recorded with HSETNX in
 one script with its effect (ready-queue push, or removal of the samples), so a late sample

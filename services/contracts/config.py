@@ -33,6 +33,12 @@ from services.contracts.agent_parts import (  # noqa: F401 (re-exported: the con
 )
 from services.contracts.messages import SamplingParams
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted, cycle_roles, parse_role_map
+from services.contracts.run_parts import (  # noqa: F401 (re-exported: the config's one import path)
+    ApiConfig,
+    CheckpointRetention,
+    LoggingConfig,
+    WandbConfig,
+)
 
 
 class _Loader(yaml.SafeLoader):
@@ -214,15 +220,6 @@ class EnvironmentConfig(Strict):
         return {r: p for r, p in self.roles.items() if isinstance(p, Scripted)}
 
 
-class CheckpointRetention(Strict):
-    """Which weight versions (``<checkpoint_root>/<run>/<agent>/v#####``) a trainer keeps on disk once a newer one
-    is committed. Always kept besides: the versions the in-run evaluation plays (multiples of
-    ``environment.eval.every_n_steps``), so the one an evaluation scored best is among them."""
-
-    keep_last: int = Field(0, ge=0, description="keep the newest N weight versions; 0 keeps every version")
-    keep_every: int = Field(0, ge=0, description="also keep every k-th version (k, 2k, ...); 0: no others")
-
-
 class RunConfig(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64,
                       description="the run's name: its directory runs/<name>, checkpoints/<name> and Redis keys "
@@ -266,35 +263,6 @@ class RunConfig(Strict):
         default_factory=CheckpointRetention,
         description="weight versions the trainer keeps on disk: the newest keep_last, every keep_every-th; every "
                     "evaluated version is always kept")
-
-
-class ApiConfig(Strict):
-    host: str = Field("127.0.0.1", description="the control API's and dashboard's listen address")
-    port: int = Field(8900, ge=0, le=65535, description="the control API's and dashboard's port; 0 = a free port")
-    token: str = Field("",
-                       description="a bearer token every route but /health, /metrics, the OpenAPI document and the "
-                                   "dashboard page requires; empty = open")
-
-
-class WandbConfig(Strict):
-    """Weights & Biases: ``offline`` writes a run directory under runs/<run>/wandb (no network; sync it
-    later with ``wandb sync``); ``online`` needs network and a login."""
-
-    project: str = Field(min_length=1, description="the W&B project")
-    mode: Literal["online", "offline", "disabled"] = Field("offline",
-                                                           description="offline writes runs/<run>/wandb without "
-                                                                       "network; online logs live; disabled writes "
-                                                                       "nothing")
-    entity: str | None = Field(None, description="the W&B entity (user or team); null: the login's default")
-
-
-class LoggingConfig(Strict):
-    """Experiment logging the coordinator writes from what it already receives."""
-
-    tensorboard: bool = Field(True, description="TensorBoard event files under runs/<run>/tensorboard")
-    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging (needs tandem[wandb]); null: none")
-    interval_s: float = Field(5.0, gt=0, description="how often new metrics are written")
-    text_every: int = Field(25, ge=0, description="every Nth episode's transcript is logged as text (0: none)")
 
 
 class TandemConfig(Strict):

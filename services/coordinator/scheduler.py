@@ -153,10 +153,8 @@ class Coordinator:
             await self.control("stop")
 
     async def control(self, command: str) -> None:
-        """pause / resume / stop the run, recorded in Redis (a restart keeps it). Only the
-        coordinator launches episodes, so pause and resume stay here. ``stop`` ends the run
-        gracefully: no new groups, the report is written, and only then are the other
-        services told to stop."""
+        """pause / resume / stop the run, recorded in Redis (a restart keeps it). ``stop`` ends it gracefully: no
+        new groups, the report is written, and only then are the other services told to stop."""
         if command == "pause":
             self.state.paused = True
         elif command == "resume":
@@ -242,8 +240,7 @@ class Coordinator:
         return [r for r in results if r is not None]
 
     async def run_group(self, index: int, roles: dict[str, Player], group_id: str) -> None:
-        """Play one group and emit its samples; every agent's part ends in the ledger (ledger.py):
-        emitted (the buffer decides), or abandoned here with the reason."""
+        """Play one group and emit its samples; each agent's part ends in the ledger: emitted, or abandoned."""
         agents = self.trained(roles)
         roles = self.resolve_pool(roles)
         emitted: set[str] = set()
@@ -322,7 +319,6 @@ class Coordinator:
     def all_finished(self) -> bool:
         return all(a.finished for a in self.state.agents.values())
 
-    # --- evaluation ---------------------------------------------------------
     async def evaluate_all(self, label: str) -> dict[str, float | None]:
         """Every training agent against every eval opponent, on its engines now (evals.py)."""
         return await evals.evaluate_all(self, label)
@@ -331,7 +327,6 @@ class Coordinator:
         """Sampling per model player; an in-process past version samples like the agent it came from."""
         return {p: self.cfg.agents[p.agent].sampling for p in roles.values() if not isinstance(p, Scripted | Pool)}
 
-    # --- the run ------------------------------------------------------------
     async def wait_for_engines(self, timeout: float = ENGINE_WAIT_S) -> None:  # noqa: ASYNC109 (gives up, logs)
         """No turn is sent before every agent's rollout reports a healthy engine (or the wait runs out)."""
         deadline = time.monotonic() + timeout

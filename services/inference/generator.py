@@ -2,11 +2,9 @@
 
 The worker thread owns the model and loops step by step. Each step it
 1. runs a pending weight load when it may (see below);
-2. admits queued requests into the running batch (up to ``max_batch`` rows) once admission is due
-   (below): their prompts are prefilled together (left-padded, explicit position ids) and their KV
-   cache is merged into the running batch's cache (both left-padded to one length, all-padding
-   columns dropped). The longest prefix of a prompt that the prefix cache holds (an episode's earlier turns:
-   ``prefix_cache.py``) is taken from it, so only the rest is prefilled; a finished row's KV goes to it;
+2. admits queued requests (up to ``max_batch`` rows) once admission is due: prompts are prefilled together
+   (left-padded) and their KV merged into the running batch's cache; the longest prefix the prefix cache
+   holds (an episode's earlier turns: ``prefix_cache.py``) is taken from it, and finished rows' KV goes to it;
 3. decodes one token for every running row, samples per row (temperature, top-p, top-k, its own
    seeded generator) and lets finished rows leave the batch (their cache rows are dropped).
 
@@ -15,16 +13,12 @@ admitted once none arrived for ``admit_quiet_s``, the oldest waited ``admit_wind
 batch (defaults 0 in process; 2 ms and 20 ms over HTTP); ``generate_many`` (SGLang's batch ``/generate``)
 admits its requests at once.
 
-A token's logprob is ``log_softmax(logits / T)[tok]`` in float32 (T = 0: plain ``log_softmax``), as
-the trainer's full-sequence forward computes it; top-p / top-k only restrict what may be drawn.
+A token's logprob is ``log_softmax(logits / T)[tok]`` in float32, as the trainer computes it.
 
 Weight updates (``/update_weights_from_disk``) follow SGLang: unpaused, the load waits for the running
 requests to finish (each runs wholly on one version); paused (``in_place``), it happens at once and each
-request records where its version changed (``meta_info.weight_versions`` spans).
-
-LoRA adapters (``adapters.LoraAdapters``) sit on the resident base under names; a request that names one
-(``GenRequest.lora``, SGLang's ``lora_path``) has it applied to its rows in every forward pass, so one batch
-mixes adapters. An engine built on an adapter directory serves its base with that adapter merged in.
+request records where its version changed (``meta_info.weight_versions`` spans). LoRA adapters sit on the
+resident base by name; a request naming one (``lora_path``) has it applied to its rows only.
 """
 
 from __future__ import annotations
