@@ -29,7 +29,7 @@ async def main_async(config: str, port: int | None) -> int:
         log.error("invalid config %s: %s", config, exc)
         await bus.close()
         return 2
-    await coord.restore()
+    await bus.retrying("restore", coord.restore)  # a Redis outage at start is waited out, not a death
     stop, s = asyncio.Event(), bus.streams
     server = uvicorn.Server(uvicorn.Config(create_app(coord), host=cfg.api.host, port=port or cfg.api.port,
                                            log_level="warning", lifespan="off"))

@@ -45,7 +45,7 @@ async def main_async(config: str, agent: str) -> int:
     bus = Bus(cfg.redis_url, cfg.run.name, f"trainer-{agent}", reconnect_window_s=cfg.run.done_ids_grace_s)
     trainer = TrainerService(cfg, agent, bus, policy)
     try:
-        await trainer.resume()
+        await bus.retrying("resume", trainer.resume)  # a Redis outage at start is waited out, not a death
     except RuntimeError as exc:
         log.error("%s", exc)
         await bus.close()
