@@ -47,6 +47,7 @@ def _config(d: Path, name: str, model: Path, port: int, steps: int, **extra) -> 
         "environment": {"name": "tictactoe", "group_size": 4, "roles": {"X": "A", "O": "B"},
                         "alternate_roles": True, "eval": {"episodes": extra.get("eval_episodes", 4)}},
         "agents": {a: {"model_path": str(model), "groups_per_batch": 2, "max_staleness": 1,
+                       "max_no_signal_steps": 0,  # a long run about the page, not learning: no signal stop
                        "sampling": {"max_new_tokens": 4}} for a in ("A", "B")},
     }
     path = d / f"{name}.yaml"
@@ -67,7 +68,7 @@ def live(tmp_path_factory, warm_model_dir):
 
     d = tmp_path_factory.mktemp("dash")
     port = free_port()
-    proc = _launch(_config(d, "dash", warm_model_dir, port, steps=200,
+    proc = _launch(_config(d, "dash", warm_model_dir, port, steps=100_000,  # stopped by the tests, never done
                            api={"token": TOKEN}, logging={"wandb": {"project": "tandem-test", "mode": "offline"}}),
                    d / "launcher.log")
     api = f"http://127.0.0.1:{port}"

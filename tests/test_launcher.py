@@ -67,7 +67,8 @@ def _config(tmp_path: Path, model: Path, name: str, **run: object) -> tuple[Path
            "api": {"port": port},
            "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "B"},
                            "eval": {"episodes": 4}},
-           "agents": {a: {"model_path": str(model), "groups_per_batch": 2} for a in ("A", "B")}}
+           "agents": {a: {"model_path": str(model), "groups_per_batch": 2, "max_no_signal_steps": 0}
+                      for a in ("A", "B")}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, port

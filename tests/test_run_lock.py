@@ -24,7 +24,8 @@ def _config(tmp_path: Path, model: Path, name: str) -> Path:
                    "output_dir": str(tmp_path / "runs")},
            "api": {"port": 0},  # a free port each: nothing else would stop a second stack
            "environment": {"name": "tictactoe", "group_size": 2, "roles": {"X": "A", "O": "B"}},
-           "agents": {a: {"model_path": str(model), "groups_per_batch": 2} for a in ("A", "B")}}
+           "agents": {a: {"model_path": str(model), "groups_per_batch": 2, "max_no_signal_steps": 0}
+                      for a in ("A", "B")}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
