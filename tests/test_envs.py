@@ -162,6 +162,19 @@ def test_answer_then_answer_second_sees_first_and_unparseable_is_penalised() -> 
     assert result.rewards == {"first": -0.5, "second": 1.0}
 
 
+def test_answer_then_answer_held_out_questions_are_never_trained_on() -> None:
+    params = {"max_operand": 9, "ops": "+", "held_out": 0.3}
+    evaluated = AnswerThenAnswer.evaluation_params(params)
+    assert evaluated["split"] == "eval" and AnswerThenAnswer.evaluation_params({"ops": "+"}) == {"ops": "+"}
+    trained = {AnswerThenAnswer(params, seed).question for seed in range(3000)}
+    held = {AnswerThenAnswer(evaluated, seed).question for seed in range(3000)}
+    assert not trained & held and len(trained) + len(held) == 100  # every sum 0..9 + 0..9, on one side only
+    assert 20 <= len(held) <= 40
+    with pytest.raises(EnvParamError, match="held_out") as err:
+        AnswerThenAnswer.check_params({"max_operand": 1, "ops": "+", "held_out": 0.01})
+    assert err.value.field == "held_out"
+
+
 # --- debate ---------------------------------------------------------------------------
 def test_debate_rule_judge_is_zero_sum_and_favours_evidence() -> None:
     env = Debate({"rounds": 2}, 0)
