@@ -243,7 +243,21 @@ def streams_page() -> str:
             continue
         key = pattern(name)
         lines.append(f"| `{key}` | {cell((inspect.getdoc(fn) or name.replace('_', ' ')).splitlines()[0])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + shared_keys()) + "\n"
+
+
+def shared_keys() -> list[str]:
+    from services.contracts.keys import KEYS, SCRIPTS
+
+    lines = ["", "## Shared keys", "", "The key table (`services/contracts/keys.py`, checked against the code by "
+             "`tests/test_keys.py`): the keys more than one service writes or reads (`*`: every service).", "",
+             "| key | owner | writers | readers | value |", "|---|---|---|---|---|"]
+    for k in KEYS.values():
+        value = f"`{k.value.__name__}`" if isinstance(k.value, type) else cell(k.value)
+        lines.append(f"| `{k.name}` | {k.owner} | {', '.join(k.writers)} | {', '.join(k.readers) or '-'} | {value} |")
+    lines += ["", "Lua scripts on shared keys (KEYS in order):", ""]
+    lines += [f"* `{s.name}` ({s.service}): {', '.join(f'{h} ({m})' for h, m in s.keys)}" for s in SCRIPTS.values()]
+    return lines
 
 
 PAGES: dict[str, Callable[[], str]] = {"cli.md": cli_page, "config.md": config_page, "api.md": api_page,

@@ -26,7 +26,8 @@ from typing import Any
 from services.common.history import read_jsonl, train_log_archive
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Sample
-from services.contracts.streams import Streams, split_verdict
+from services.contracts.records import Verdict
+from services.contracts.streams import Streams
 
 CONSUMER_GROUP = "buffer"
 
@@ -113,7 +114,8 @@ def trained_counts(state: AgentState) -> Counter[str]:
 def group_fate(state: AgentState, group_id: str) -> tuple[str, str]:
     """(outcome, reason) of a group: the buffer's verdict, else the coordinator's ledger, else ("", "")."""
     if group_id in state.verdicts:
-        return split_verdict(state.verdicts[group_id])
+        verdict = Verdict.parse(state.verdicts[group_id])
+        return verdict.state, verdict.reason
     entry = state.ledger.get(group_id) or {}
     if entry.get("state") == "abandoned":
         return "abandoned", str(entry.get("reason") or "")

@@ -86,13 +86,13 @@ async def test_trainer_log_spill_survives_restart_and_redelivery(redis_url: str,
     await trainer.bus.close()
 
     log = await read_train_log(r, s, "A", archive)
-    assert [rec["version"] for rec in log] == list(range(1, 8))
-    trained = [sid for rec in log for sid in rec["sample_ids"]]
+    assert [rec.weight_version for rec in log] == list(range(1, 8))
+    trained = [sid for rec in log for sid in rec.sample_ids]
     assert len(trained) == len(set(trained)) == 14  # every sample in exactly one step
     versions = await RunRecord(trainer.bus, cfg.run.checkpoint_root).versions("A")
-    assert [rec["version"] for rec in versions.trained] == list(range(1, 8))  # the report sees every step
-    assert (await committed(r, s, "A", 7))["version"] == 7  # the rollout's check finds the newest versions
-    assert (await committed(r, s, "A", 4))["version"] == 4
+    assert [rec.weight_version for rec in versions.trained] == list(range(1, 8))  # the report sees every step
+    assert (await committed(r, s, "A", 7)).weight_version == 7  # the rollout's check finds the newest versions
+    assert (await committed(r, s, "A", 4)).weight_version == 4
     assert await committed(r, s, "A", 1) is None  # archived: older than any rollout can still load
 
 
@@ -113,7 +113,7 @@ async def test_spill_crash_windows(redis_url: str, tmp_path: Path) -> None:
     lines = archive.read_bytes().splitlines()
     assert all(json.loads(x) for x in lines)  # the torn line was cut, no record merged into it
     assert [rec["version"] for rec in read_jsonl(archive)] == [1, 2, 1, 2, 3, 4]
-    assert [rec["version"] for rec in await read_train_log(r, s, "A", archive)] == list(range(1, 9))
+    assert [rec.weight_version for rec in await read_train_log(r, s, "A", archive)] == list(range(1, 9))
     assert {m.decode() for m in await r.smembers(s.trained_samples("A"))} == {f"s{v}" for v in range(5, 9)}
     await bus.close()
 
@@ -138,7 +138,7 @@ async def test_a_spill_between_the_two_reads_loses_no_record(redis_url: str, tmp
                 assert await spill.spill(force=True) == 4
             return await r.lrange(*args)
 
-    versions = [rec["version"] for rec in await read_train_log(SpillFirst(), s, "A", archive)]
+    versions = [rec.weight_version for rec in await read_train_log(SpillFirst(), s, "A", archive)]
     assert versions == list(range(1, 9)) and archive.exists()
     await bus.close()
 

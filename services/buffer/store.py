@@ -26,7 +26,6 @@ dead-lettered (the reason is taken from the dead-letter stream) or never arrived
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -35,9 +34,10 @@ import msgpack
 from services.common.bus import Bus
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.messages import Batch, DeadLetter, Sample
-from services.contracts.streams import split_verdict
+from services.contracts.records import GroupState, LedgerEntry, Verdict
 
-# KEYS: verdicts, ready, samples, group set, pending; ARGV: group id, verdict, push (1/0), sample ids...
+# KEYS: verdicts, ready, samples, group set, pending (its entry in contracts/keys.py SCRIPTS);
+# ARGV: group id, verdict (``Verdict.encode``), push (1/0), sample ids...
 # Returns the verdict now on record (the earlier one when the group was already decided).
 DECIDE = """
 redis.call('ZREM', KEYS[5], ARGV[1])
@@ -77,19 +77,21 @@ def vouch(sample: Sample, members: list[str] | None, agent: str) -> list[str]:
 
 @dataclass
 class GroupVerdict:
+    """A group's verdict as the buffer reports it (a ``group_done`` event)."""
+
     group_id: str
-    outcome: str  # "kept" | "dropped" | "abandoned"
+    outcome: GroupState  # kept | dropped | abandoned
     reason: str = ""
-    was_kept: bool = False  # dropped after an earlier "kept" verdict (stale at release)
+    was_kept: bool = False  # dropped after an earlier kept verdict (stale at release)
 
     @property
     def kept(self) -> bool:
-        return self.outcome == "kept"
+        return self.outcome is GroupState.KEPT
 
     @classmethod
-    def parse(cls, group_id: str, raw: str) -> GroupVerdict:
-        outcome, reason = split_verdict(raw)
-        return cls(group_id, outcome, reason)
+    def parse(cls, group_id: str, raw: str | bytes) -> GroupVerdict:
+        verdict = Verdict.parse(raw)
+        return cls(group_id, verdict.state, verdict.reason)
 
 
 class SampleStore:
@@ -110,24 +112,23 @@ class SampleStore:
     def k_group(self, group_id: str) -> str:
         return self.bus.streams.buffer_group(self.agent, group_id)
 
-    async def decide(self, group_id: str, outcome: str, reason: str = "",
+    async def decide(self, group_id: str, outcome: GroupState, reason: str = "",
                      samples: list[Sample] | None = None) -> GroupVerdict:
         """Record the group's first verdict with its effect; return the verdict on record."""
-        raw = "kept" if outcome == "kept" else f"{outcome}:{reason}"
+        verdict = Verdict(state=outcome, reason=reason)
         keys = [self.k_verdicts, self.k_ready, self.k_samples, self.k_group(group_id), self.k_pending]
         ids = [s.id for s in samples or []]
-        got = await self._decide(keys=keys, args=[group_id, raw, "1" if outcome == "kept" else "0", *ids])
-        return GroupVerdict.parse(group_id, got.decode() if isinstance(got, bytes) else str(got))
+        got = await self._decide(keys=keys, args=[group_id, verdict.encode(), "1" if verdict.kept else "0", *ids])
+        return GroupVerdict.parse(group_id, got if isinstance(got, bytes) else str(got))
 
     async def members(self, group_id: str) -> list[str] | None:
         """The ids of the samples the coordinator emitted to this agent in ``group_id`` (its ledger entry,
         written in the transaction that published them); None for a group it never emitted here."""
         raw = await self.bus.redis.hget(self.k_ledger, group_id)
         try:
-            ids = json.loads(raw).get("samples") if raw is not None else None
-        except (ValueError, AttributeError):
+            return LedgerEntry.parse(raw).samples if raw is not None else None
+        except ValueError:  # not a ledger entry (pydantic's ValidationError is one): it vouches for nothing
             return None
-        return [str(i) for i in ids] if isinstance(ids, list) else None
 
     async def vouch(self, sample: Sample) -> list[str]:
         """``sample``'s group members from the coordinator's record; ``Unvouched`` when it is not one."""
@@ -154,7 +155,7 @@ class SampleStore:
         r = self.bus.redis
         decided = await r.hget(self.k_verdicts, sample.group_id)
         if decided is not None:  # a redelivery after the verdict: store nothing, repeat the verdict
-            return GroupVerdict.parse(sample.group_id, decided.decode())
+            return GroupVerdict.parse(sample.group_id, decided)
         async with r.pipeline(transaction=True) as pipe:
             pipe.hset(self.k_samples, sample.id, encode(sample))
             pipe.sadd(self.k_group(sample.group_id), sample.id)
@@ -164,8 +165,8 @@ class SampleStore:
             return None
         samples = await self.stored_samples(sample.group_id)
         if self.filter_zero_variance and len({s.reward for s in samples}) == 1:
-            return await self.decide(sample.group_id, "dropped", "zero reward variance", samples)
-        return await self.decide(sample.group_id, "kept")
+            return await self.decide(sample.group_id, GroupState.DROPPED, "zero reward variance", samples)
+        return await self.decide(sample.group_id, GroupState.KEPT)
 
     async def stored_samples(self, group_id: str) -> list[Sample]:
         ids = sorted(await self.bus.redis.smembers(self.k_group(group_id)))
@@ -177,7 +178,7 @@ class SampleStore:
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             if samples:
                 pipe.hdel(self.k_samples, *[s.id for s in samples])
-            pipe.hset(self.k_verdicts, group_id, f"dropped:{reason}")
+            pipe.hset(self.k_verdicts, group_id, Verdict(state=GroupState.DROPPED, reason=reason).encode())
             pipe.delete(self.k_group(group_id))
             pipe.lrem(self.k_ready, 0, group_id)
             await pipe.execute()
@@ -198,8 +199,8 @@ class SampleStore:
             for gid in overdue:
                 reason = (f"dead-lettered sample: {letters[gid]}" if gid in letters
                           else f"timeout: incomplete {timeout_s:g}s after emission")
-                verdict = await self.decide(gid, "abandoned", reason, await self.stored_samples(gid))
-                if verdict.outcome == "abandoned" and verdict.reason == reason:
+                verdict = await self.decide(gid, GroupState.ABANDONED, reason, await self.stored_samples(gid))
+                if verdict.outcome is GroupState.ABANDONED and verdict.reason == reason:
                     out.append(verdict)
         return out
 
@@ -210,8 +211,8 @@ class SampleStore:
         async with self.lock:
             if await self.bus.redis.zscore(self.k_pending, group_id) is None:
                 return None
-            verdict = await self.decide(group_id, "abandoned", reason, await self.stored_samples(group_id))
-        return verdict if verdict.outcome == "abandoned" and verdict.reason == reason else None
+            verdict = await self.decide(group_id, GroupState.ABANDONED, reason, await self.stored_samples(group_id))
+        return verdict if verdict.outcome is GroupState.ABANDONED and verdict.reason == reason else None
 
     async def samples_waiting(self) -> bool:
         """Entries of ``samples:{agent}`` the buffer's consumer group has not acknowledged yet."""
@@ -260,7 +261,7 @@ class SampleStore:
             if stale:
                 for g in stale:
                     await self.drop(g, groups[g], "stale")
-                    dropped.append(GroupVerdict(g, "dropped", "stale", was_kept=True))
+                    dropped.append(GroupVerdict(g, GroupState.DROPPED, "stale", was_kept=True))
                 continue
             samples = [s for g in group_ids for s in groups[g]]
             batch = Batch(agent=self.agent, weight_version=version, samples=samples)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from services.contracts.records import TrainLogRecord
 from services.contracts.streams import Streams
 
 TRAIN_LOG_ARCHIVE = "train_log.jsonl"
@@ -67,15 +68,16 @@ def train_log_archive(checkpoint_root: str | Path, run: str, agent: str) -> Path
     return Path(checkpoint_root) / run / agent / TRAIN_LOG_ARCHIVE
 
 
-async def read_train_log(redis: Any, streams: Streams, agent: str, archive: Path) -> list[dict[str, Any]]:
+async def read_train_log(redis: Any, streams: Streams, agent: str, archive: Path) -> list[TrainLogRecord]:
     """Every committed record of the agent's trainer, by version: the ones in Redis, then the archive's.
 
     Redis first: a spill archives before it trims, so a record trimmed before the Redis read is already in
     the archive read after it. The other order loses the records a spill moves between the two reads."""
-    in_redis = [json.loads(raw) for raw in await redis.lrange(streams.train_log(agent), 0, -1)]
-    by_version: dict[int, dict[str, Any]] = {}
-    for rec in [*await asyncio.to_thread(lambda: list(read_jsonl(archive))), *in_redis]:
-        by_version[int(rec["version"])] = rec
+    in_redis = [TrainLogRecord.parse(raw) for raw in await redis.lrange(streams.train_log(agent), 0, -1)]
+    by_version: dict[int, TrainLogRecord] = {}
+    archived = await asyncio.to_thread(lambda: [TrainLogRecord.parse(rec) for rec in read_jsonl(archive)])
+    for rec in [*archived, *in_redis]:
+        by_version[rec.weight_version] = rec
     return [by_version[v] for v in sorted(by_version)]
 
 
@@ -113,7 +115,7 @@ class TrainLogSpill:
             return 0
         raws = list(await self.redis.lrange(key, 0, excess - 1))
         await asyncio.to_thread(append_jsonl, self.archive, [bytes(r) for r in raws])
-        sample_ids = [sid for raw in raws for sid in json.loads(raw).get("sample_ids", [])]
+        sample_ids = [sid for raw in raws for sid in TrainLogRecord.parse(raw).sample_ids]
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.ltrim(key, len(raws), -1)
             if sample_ids:

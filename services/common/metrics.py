@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import DeadLetter
+from services.contracts.records import GroupState
 
 T = TypeVar("T")
 
@@ -272,8 +273,8 @@ class RunMetrics(Collector):
             counters["train_illegal_episodes"].add_metric([name], play["invalid_episodes"])
             counters["train_steps"].add_metric([name], len(a.train_steps))
             counters["generated_tokens"].add_metric([name], self._tokens.get(name, 0))
-            groups.add_metric([name, "kept"], a.kept_groups)
-            groups.add_metric([name, "dropped"], a.dropped_groups)
+            groups.add_metric([name, GroupState.KEPT.value], a.kept_groups)
+            groups.add_metric([name, GroupState.DROPPED.value], a.dropped_groups)
             times = [event_values("train_step", s).get("train_seconds") for s in a.train_steps]
             seconds.add_metric([name], *_buckets([t for t in times if t is not None]))
         yield from gauges.values()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from services.contracts.messages import WeightsUpdate
+from services.contracts.records import TrainLogRecord
 from services.contracts.streams import Streams
 
 SECRET_ENV = "TANDEM_WEIGHTS_SECRET"
@@ -112,20 +113,20 @@ def run_dir_secret(run_dir: Path | str) -> str:
     return secret
 
 
-async def committed(redis: Any, streams: Streams, agent: str, version: int) -> dict[str, Any] | None:
+async def committed(redis: Any, streams: Streams, agent: str, version: int) -> TrainLogRecord | None:
     """The trainer's train-log record of ``version`` (one record per version, appended in order), if committed."""
     published = await redis.get(streams.published_weight_version(agent))
     if published is None or version > int(published):
         return None
     first = await redis.lindex(streams.train_log(agent), 0)  # older records may be archived (common/history.py)
-    offset = int(json.loads(first).get("version", 1)) if first is not None else 1
+    offset = TrainLogRecord.parse(first).weight_version if first is not None else 1
     raw = await redis.lindex(streams.train_log(agent), version - offset) if version >= offset else None
-    rec = json.loads(raw) if raw is not None else None
-    if rec is not None and rec.get("version") == version:
+    rec = TrainLogRecord.parse(raw) if raw is not None else None
+    if rec is not None and rec.weight_version == version:
         return rec
     for raw in await redis.lrange(streams.train_log(agent), 0, -1):  # a log not in version order: look it up
-        rec = json.loads(raw)
-        if rec.get("version") == version:
+        rec = TrainLogRecord.parse(raw)
+        if rec.weight_version == version:
             return rec
     return None
 
@@ -139,7 +140,7 @@ async def refusal(redis: Any, streams: Streams, secret: bytes, w: WeightsUpdate)
     rec = await committed(redis, streams, w.agent, w.weight_version)
     if rec is None:
         return f"version {w.weight_version} is not one the trainer of {w.agent!r} committed"
-    if rec.get("path") != w.path or rec.get("checksum") != w.checksum:
+    if rec.path != w.path or rec.checksum != w.checksum:
         return f"version {w.weight_version} differs from the trainer's commit (path or checksum)"
     try:
         on_disk = await asyncio.to_thread(weights_checksum, w.path)

@@ -1,4 +1,5 @@
-"""Shared contracts: message models, stream names, config models, serialisation.
+"""Shared contracts: message models, stream names, the flow and key tables, shared records, config models,
+serialisation.
 
 Every service imports this package; it imports no service.
 """

@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
+from services.contracts.records import DecidedState
+
 SCHEMA_VERSION = 3
 
 
@@ -235,16 +237,13 @@ class TrainStepSkipped(EventBase):
     consecutive: int = Field(ge=1)
 
 
-GroupOutcome = Literal["kept", "dropped", "abandoned"]
-
-
 class GroupDone(EventBase):
     """buffer → a group's verdict: kept (ready for a batch), dropped (``reason``: zero reward variance, stale)
     or abandoned (``reason``). ``was_kept``: dropped after an earlier kept verdict (stale at release)."""
 
     kind: Literal["group_done"] = "group_done"
     group_id: str
-    outcome: GroupOutcome
+    outcome: DecidedState  # records.GroupState: kept, dropped or abandoned
     reason: str | None = None
     was_kept: bool = False
 

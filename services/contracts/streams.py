@@ -1,4 +1,5 @@
-"""Stream and key names. Everything is namespaced by run: ``tandem:{run}:...``."""
+"""Stream and key names. Everything is namespaced by run: ``tandem:{run}:...``. Which service writes and
+reads a key that several share, and its values' model: the key table (contracts/keys.py)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class Streams:
         return self.key(f"buffer:{agent}:ready")
 
     def buffer_verdicts(self, agent: str) -> str:
-        """Group id -> the buffer's verdict on it: "kept", "dropped:<reason>" or "abandoned:<reason>"."""
+        """Group id -> the buffer's verdict on it (``records.Verdict``: "kept", "dropped:<reason>",
+        "abandoned:<reason>")."""
         return self.key(f"buffer:{agent}:verdicts")
 
     def groups_pending(self, agent: str) -> str:
@@ -82,10 +84,10 @@ class Streams:
         return self.key(f"groups:{agent}:pending")
 
     def group_ledger(self, agent: str) -> str:
-        """Hash: group id -> the coordinator's JSON record of the agent's part of the group (its owner:
-        coordinator/ledger.py). Once emitted: ``{"state": "emitted", "at", "reward", "samples": [sample ids]}``,
-        written in the transaction that publishes those samples; the buffer reads the membership and size of
-        a group from it, never from a sample's own claim (docs/architecture.md §2.3, §10)."""
+        """Hash: group id -> the coordinator's JSON record of the agent's part of the group (``records.LedgerEntry``;
+        its owner: coordinator/ledger.py). Once emitted it holds the ids of the samples, written in the transaction
+        that publishes them; the buffer reads the membership and size of a group from it, never from a sample's
+        own claim (docs/architecture.md §2.3, §10)."""
         return self.key(f"coord:ledger:{agent}")
 
     def batches_released(self, agent: str) -> str:
@@ -118,8 +120,3 @@ class Streams:
     def episodes(self) -> str:
         return self.key("episodes")
 
-
-def split_verdict(raw: str) -> tuple[str, str]:
-    """A buffer verdict as (outcome, reason): "kept" -> ("kept", ""), "dropped:stale" -> ("dropped", "stale")."""
-    outcome, _, reason = raw.partition(":")
-    return outcome, reason

@@ -17,12 +17,12 @@ commit's presence and fields, not its HMAC; whoever can write the owners' keys c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from services.common.bus import Bus, Reject
 from services.common.history import read_train_log, train_log_archive
 from services.common.weights_auth import committed
 from services.contracts.messages import TrainStep, TrainStepSkipped, WeightsLoaded
+from services.contracts.records import TrainLogRecord
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class OwnerFacts:
     def __init__(self, bus: Bus, checkpoint_root: str | None) -> None:
         self.bus, self.checkpoint_root = bus, checkpoint_root
 
-    async def record_of(self, agent: str, version: int) -> dict[str, Any] | None:
+    async def record_of(self, agent: str, version: int) -> TrainLogRecord | None:
         """The trainer's commit of ``version``: the train log in Redis, else its archive on disk."""
         rec = await committed(self.bus.redis, self.bus.streams, agent, version)
         if rec is not None or self.checkpoint_root is None:
@@ -50,7 +50,7 @@ class OwnerFacts:
             return None
         archive = train_log_archive(self.checkpoint_root, self.bus.streams.run, agent)
         records = await read_train_log(self.bus.redis, self.bus.streams, agent, archive)
-        return next((r for r in records if r.get("version") == version), None)
+        return next((r for r in records if r.weight_version == version), None)
 
     async def weights_loaded(self, ev: WeightsLoaded) -> LoadedFact:
         """The rollout's record behind the event; ``Reject`` when it never recorded that version as loaded."""
@@ -63,9 +63,9 @@ class OwnerFacts:
         if ev.weight_version and rec is None:
             raise Reject(f"weights_loaded of {ev.agent!r} version {ev.weight_version} from {ev.source!r}: the "
                          "trainer never committed that version: not taken")
-        return LoadedFact(loaded=loaded, version=ev.weight_version, path=rec.get("path") if rec else None)
+        return LoadedFact(loaded=loaded, version=ev.weight_version, path=rec.path if rec else None)
 
-    async def train_step(self, ev: TrainStep) -> dict[str, Any]:
+    async def train_step(self, ev: TrainStep) -> TrainLogRecord:
         """The trainer's committed record of the event's version; ``Reject`` when there is none."""
         rec = await self.record_of(ev.agent, ev.weight_version)
         if rec is None:

@@ -1,6 +1,6 @@
 """The group ledger: every GRPO group, per agent that trains on it, ends in exactly one state.
 
-States: ``playing`` (launched; its episodes run in this coordinator) → ``emitted`` (its
+States (``records.GroupState``): ``playing`` (launched; its episodes run in this coordinator) → ``emitted`` (its
 samples are on ``samples:{agent}``) → the buffer's verdict ``kept`` | ``dropped:<reason>``
 (zero variance; ``stale`` at release) | ``abandoned:<reason>`` (a dead-lettered sample, a
 timeout in the buffer). A group that never reaches ``emitted`` is abandoned here, with its
@@ -34,21 +34,20 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from services.common.bus import Bus
 from services.common.history import append_jsonl, read_jsonl
 from services.contracts.codec import FIELD, encode
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Sample
-from services.contracts.streams import split_verdict
+from services.contracts.records import GroupState, LedgerEntry, Verdict
 
 log = logging.getLogger("tandem.coordinator.ledger")
 RESTARTED = "coordinator restarted while the group was playing"
 
 # Delete archived groups from the ledger and the verdicts together, each only if its verdict is still the one
 # archived ("" = none): one the buffer changed meanwhile stays, and the next prune archives it again.
-# KEYS: ledger, verdicts; ARGV: group id, verdict, group id, verdict, ...
+# KEYS: ledger, verdicts (its entry in contracts/keys.py SCRIPTS); ARGV: group id, verdict, group id, verdict, ...
 FORGET = """
 local n = 0
 for i = 1, #ARGV, 2 do
@@ -74,10 +73,17 @@ class GroupOutcome:
     """Where one agent's part of one group stands: its state, the reason, and (emitted) its mean reward."""
 
     group_id: str
-    state: str  # playing | emitted | kept | dropped | abandoned
+    state: GroupState
     reason: str = ""
     at: float = 0.0
     reward: float | None = None
+
+    @classmethod
+    def of(cls, group_id: str, entry: LedgerEntry) -> GroupOutcome:
+        return cls(group_id, entry.state, entry.reason or "", entry.at, entry.reward)
+
+    def decided(self, verdict: Verdict) -> None:
+        self.state, self.reason = verdict.state, verdict.reason
 
 
 class GroupLedger:
@@ -100,7 +106,7 @@ class GroupLedger:
     async def launch(self, group_id: str, index: int, agents: set[str]) -> None:
         """The group starts playing; the run's group counter moves past ``index`` in the same step (repeatable:
         a Redis outage is waited out with the bus's backoff)."""
-        entry = json.dumps({"state": "playing", "at": time.time(), "index": index})
+        entry = LedgerEntry(state=GroupState.PLAYING, at=time.time(), index=index).dump()
 
         async def write() -> None:
             async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -130,39 +136,40 @@ class GroupLedger:
                                              sample.min_weight_version)
             means = {a: sum(rs) / len(rs) for a, rs in rewards.items()}
             for agent, mean in means.items():  # the buffer's record of who is in the group (streams.group_ledger)
-                entry = {"state": "emitted", "at": now, "reward": mean, "samples": ids[agent],
-                         "version": versions[agent]}
-                pipe.hset(self.key(agent), group_id, json.dumps(entry))
+                entry = LedgerEntry(state=GroupState.EMITTED, at=now, reward=mean, samples=ids[agent],
+                                    version=versions[agent])
+                pipe.hset(self.key(agent), group_id, entry.dump())
                 pipe.zadd(s.groups_pending(agent), {group_id: now})
             for agent, reason in empty.items():
-                pipe.hset(self.key(agent), group_id, json.dumps({"state": "abandoned", "at": now, "reason": reason}))
+                pipe.hset(self.key(agent), group_id,
+                          LedgerEntry(state=GroupState.ABANDONED, at=now, reason=reason).dump())
             await pipe.execute()
         return means
 
     async def abandon(self, group_id: str, agents: set[str], reason: str) -> None:
         """Abandon a group that was never emitted (this coordinator decides; no buffer will)."""
-        entry = json.dumps({"state": "abandoned", "at": time.time(), "reason": reason})
+        entry = LedgerEntry(state=GroupState.ABANDONED, at=time.time(), reason=reason).dump()
         for agent in sorted(agents):
             raw = await self.bus.redis.hget(self.key(agent), group_id)
-            if raw is None or json.loads(raw)["state"] == "playing":  # an emitted group is the buffer's
+            if raw is None or LedgerEntry.parse(raw).state is GroupState.PLAYING:  # an emitted group is the buffer's
                 await self.bus.redis.hset(self.key(agent), group_id, entry)
 
     async def outcomes(self, agent: str) -> dict[str, GroupOutcome]:
         """Every group of ``agent``: the archived outcomes (``prune``), then the ledger's state, with the
         buffer's verdict where it gave one."""
         raw = await self.bus.redis.hgetall(self.key(agent))
-        verdicts = {k.decode(): v.decode()
+        verdicts = {k.decode(): Verdict.parse(v)
                     for k, v in (await self.bus.redis.hgetall(self.bus.streams.buffer_verdicts(agent))).items()}
         out = {}
         if self.archive_dir is not None:
             for rec in await asyncio.to_thread(lambda: list(read_jsonl(self.archive(agent)))):
-                out[rec["group_id"]] = GroupOutcome(**{k: rec.get(k) for k in ("group_id", "state", "reason", "at",
-                                                                                 "reward")})
+                out[rec["group_id"]] = GroupOutcome(rec["group_id"], GroupState(rec["state"]), rec.get("reason") or "",
+                                                    rec.get("at") or 0.0, rec.get("reward"))
         for gid_b, value in raw.items():
-            gid, rec = gid_b.decode(), json.loads(value)
-            o = GroupOutcome(gid, rec["state"], rec.get("reason", ""), rec.get("at", 0.0), rec.get("reward"))
-            if o.state == "emitted" and gid in verdicts:
-                o.state, o.reason = split_verdict(verdicts[gid])
+            gid = gid_b.decode()
+            o = GroupOutcome.of(gid, LedgerEntry.parse(value))
+            if o.state is GroupState.EMITTED and gid in verdicts:
+                o.decided(verdicts[gid])
             out[gid] = o
         return out
 
@@ -172,10 +179,10 @@ class GroupLedger:
         out = {}
         for agent in self.agents:
             outcomes = await self.outcomes(agent)
-            lost = {gid for gid, o in outcomes.items() if o.state == "playing"}
+            lost = {gid for gid, o in outcomes.items() if o.state is GroupState.PLAYING}
             for gid in lost:
                 await self.abandon(gid, {agent}, RESTARTED)
-                outcomes[gid].state, outcomes[gid].reason = "abandoned", RESTARTED
+                outcomes[gid].decided(Verdict(state=GroupState.ABANDONED, reason=RESTARTED))
             out[agent] = outcomes
         return out
 
@@ -205,8 +212,8 @@ class GroupLedger:
         verdicts = {k.decode(): v.decode() for k, v in (await r.hgetall(s.buffer_verdicts(agent))).items()}
         done: list[GroupOutcome] = []
         for gid_b, value in entries.items():
-            gid, rec = gid_b.decode(), json.loads(value)
-            outcome = await self._final(agent, gid, rec, verdicts.get(gid), published)
+            gid = gid_b.decode()
+            outcome = await self._final(agent, gid, LedgerEntry.parse(value), verdicts.get(gid), published)
             if outcome is not None:
                 done.append(outcome)
         if not done:
@@ -221,19 +228,20 @@ class GroupLedger:
         args = [x for o in done for x in (o.group_id, verdicts.get(o.group_id, ""))]
         return int(await self._forget(keys=[self.key(agent), s.buffer_verdicts(agent)], args=args))
 
-    async def _final(self, agent: str, gid: str, rec: dict[str, Any], verdict: str | None,
+    async def _final(self, agent: str, gid: str, entry: LedgerEntry, raw_verdict: str | None,
                      published: int) -> GroupOutcome | None:
         """The group's outcome when ``prune`` may archive it (see there); None to keep it in Redis."""
-        o = GroupOutcome(gid, rec["state"], rec.get("reason", ""), rec.get("at", 0.0), rec.get("reward"))
-        if o.state == "abandoned":
+        o = GroupOutcome.of(gid, entry)
+        if o.state is GroupState.ABANDONED:
             return o
-        if o.state != "emitted" or verdict is None or not isinstance(rec.get("version"), int):
+        if o.state is not GroupState.EMITTED or raw_verdict is None or entry.version is None:
             return None  # playing, undecided, or written before records carried a version: kept
-        if rec["version"] + self.horizons[agent] > published:
+        if entry.version + self.horizons[agent] > published:
             return None
-        if verdict == "kept" and await self.bus.redis.exists(self.bus.streams.buffer_group(agent, gid)):
+        verdict = Verdict.parse(raw_verdict)
+        if verdict.kept and await self.bus.redis.exists(self.bus.streams.buffer_group(agent, gid)):
             return None  # still in the ready queue (the buffer may yet drop it stale)
-        o.state, o.reason = split_verdict(verdict)
+        o.decided(verdict)
         return o
 
     async def groups_launched(self) -> int:

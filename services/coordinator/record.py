@@ -18,6 +18,7 @@ from typing import Any
 
 from services.common.bus import Bus
 from services.common.history import read_train_log, train_log_archive
+from services.contracts.records import TrainLogRecord
 from services.coordinator.ledger import GroupLedger
 from services.coordinator.state import RunState
 
@@ -38,11 +39,11 @@ class AgentVersions:
     """What the owners say of one agent's versions: loaded on its engines, and trained."""
 
     loaded: int = 0
-    trained: list[dict[str, Any]] = field(default_factory=list)  # the trainer's log records, by version
+    trained: list[TrainLogRecord] = field(default_factory=list)  # the trainer's log records, by version
 
     @property
-    def loaded_records(self) -> list[dict[str, Any]]:
-        return [r for r in self.trained if r["version"] <= self.loaded]
+    def loaded_records(self) -> list[TrainLogRecord]:
+        return [r for r in self.trained if r.weight_version <= self.loaded]
 
 
 class RunRecord:
@@ -76,8 +77,8 @@ class RunRecord:
         s = self.bus.streams
         loaded = int(await self.bus.redis.get(s.loaded_weight_version(agent)) or 0)
         if self.checkpoint_root is None:
-            log = sorted((json.loads(x) for x in await self.bus.redis.lrange(s.train_log(agent), 0, -1)),
-                         key=lambda r: r["version"])
+            log = sorted((TrainLogRecord.parse(x) for x in await self.bus.redis.lrange(s.train_log(agent), 0, -1)),
+                         key=lambda r: r.weight_version)
         else:  # the trainer's archive (records beyond run.state_kept_steps) joined with what Redis still holds
             archive = train_log_archive(self.checkpoint_root, s.run, agent)
             log = await read_train_log(self.bus.redis, s, agent, archive)
@@ -97,7 +98,7 @@ async def restore_run(st: RunState, record: RunRecord, ledger: GroupLedger) -> t
     for agent, a in st.agents.items():
         versions = await record.versions(agent)
         a.restore_versions(versions.loaded, versions.trained)
-        paths[agent] = [r["path"] for r in versions.loaded_records]
+        paths[agent] = [r.path for r in versions.loaded_records]
     for agent, outcomes in (await ledger.restore()).items():
         st.agents[agent].restore_groups([(o.group_id, o.state, o.reason, o.at, o.reward) for o in outcomes.values()])
     if st.groups_launched:

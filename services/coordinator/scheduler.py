@@ -25,6 +25,7 @@ from services.common.tokens import context_length, load_tokenizer
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control, Event, GenerateReply, GenerateRequest, SamplingParams, new_id
 from services.contracts.players import AgentPlayer, Local, Player, Pool, Scripted
+from services.contracts.records import GroupState
 from services.coordinator import evals, failures, learning_signal, play_archive, train_play
 from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.facts import OwnerFacts
@@ -82,7 +83,7 @@ class Coordinator:
         for agent, loaded in paths.items():
             self.pool_paths[agent] += [p for p in loaded if p not in self.pool_paths[agent]]
             versions = await self.run_record.versions(agent)
-            self.version_paths[agent].update({r["version"]: r["path"] for r in versions.loaded_records})
+            self.version_paths[agent].update({r.weight_version: r.path for r in versions.loaded_records})
         for agent, counts in (await play_archive.load(self.bus.redis, self.k_train_play, self.cfg.run_dir())).items():
             if agent in self.state.agents:
                 self.state.agents[agent].train_play = counts
@@ -136,11 +137,9 @@ class Coordinator:
             entry = train_step_entry(await self.facts.train_step(ev))  # the committed record's metrics
             agent.train_steps.append({**finite(entry), "time": ev.created_at})  # once per version (re-sends)
             self.signal.check(self.state, ev.agent)  # no learning signal: warn, stop at the limit
-        elif ev.kind == "train_step_skipped" and any(agent.group_status.get(g) != "dropped" for g in ev.group_ids):
+        elif ev.kind == "train_step_skipped" and not agent.all_dropped(ev.group_ids):
             await self.facts.skipped(ev)  # the trainer's record of the skip, else Reject
-            agent.skipped_steps += 1  # once per batch (re-sends find its groups dropped)
-            for g in ev.group_ids:  # replaced by new groups; the buffer releases a batch in its place
-                agent.resolve_group(g, "dropped", f"non-finite training step: {ev.reason}")
+            agent.skip_step(ev.group_ids, ev.reason)  # once per batch (re-sends find its groups dropped)
         elif ev.kind == "rollout_load":
             agent.rollout = ev.report()
         elif ev.kind == "group_done":
@@ -258,7 +257,7 @@ class Coordinator:
             for agent, mean in means.items():
                 self.state.agents[agent].group_rewards.append((time.time(), mean))
             for agent, reason in empty.items():
-                self.state.agents[agent].resolve_group(group_id, "abandoned", reason)
+                self.state.agents[agent].resolve_group(group_id, GroupState.ABANDONED, reason)
         except TimeoutError:
             await self.abandon(group_id, agents, f"timeout: still playing after {timeout:g}s")
         except asyncio.CancelledError:
@@ -275,10 +274,10 @@ class Coordinator:
         log.warning("group %s abandoned: %s", group_id, reason)
         try:
             await self.ledger.abandon(group_id, agents, reason)
-        except Exception:  # Redis unreachable: the ledger keeps "playing", which a restart abandons
+        except Exception:  # Redis unreachable: the ledger keeps the group playing, which a restart abandons
             log.exception("cannot record group %s as abandoned", group_id)
         for agent in agents:
-            self.state.agents[agent].resolve_group(group_id, "abandoned", reason)
+            self.state.agents[agent].resolve_group(group_id, GroupState.ABANDONED, reason)
 
     def check_starved(self, agents: set[str], emitted: set[str]) -> None:
         """Stop the run when an agent got no turn in MAX_EMPTY_GROUPS groups in a row: with these

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.config import TandemConfig
+from services.contracts.records import GroupState, TrainLogRecord
 from services.coordinator.learning_signal import signal_status
 from services.coordinator.train_play import PlayCounts, recent
 
@@ -30,14 +31,12 @@ def finite(data: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 
 
-def train_step_entry(rec: dict[str, Any]) -> dict[str, Any]:
-    """A train step as the run state keeps it, from the trainer's log record (whose keys ``version`` and
-    ``batch_step`` are persisted as written: the same entry a ``TrainStep`` event makes, without its time)."""
-    metrics = rec.get("metrics", {})
-    entry = {k: v for k, v in metrics.items() if k not in ("version", "batch_step")}
-    entry["weight_version"] = rec["version"]
-    if "batch_step" in metrics:
-        entry["batch_weight_version"] = metrics["batch_step"]
+def train_step_entry(rec: TrainLogRecord) -> dict[str, Any]:
+    """A train step as the run state keeps it, from the trainer's log record (the same entry a ``TrainStep``
+    event makes, without its time)."""
+    entry = {**(rec.metrics or {}), "weight_version": rec.weight_version}
+    if rec.batch_weight_version is not None:
+        entry["batch_weight_version"] = rec.batch_weight_version
     return {**entry, "time": None}
 
 
@@ -58,7 +57,7 @@ class AgentState:
     group_rewards: list[tuple[float, float]] = field(default_factory=list)  # (time, mean reward)
     eval_start: float | None = None
     eval_end: float | None = None
-    group_status: dict[str, str] = field(default_factory=dict)
+    group_status: dict[str, GroupState] = field(default_factory=dict)
     abandon_reasons: dict[str, int] = field(default_factory=dict)  # reason -> groups
     rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout_load event's data
     train_play: dict[int, PlayCounts] = field(default_factory=dict)  # weight version -> training play (train_play.py)
@@ -66,48 +65,65 @@ class AgentState:
     held_s: float = 0.0  # their total wait
     held_back_by: dict[str, int] = field(default_factory=dict)  # agent whose gate held one of my groups -> groups
 
-    def resolve_group(self, group_id: str, outcome: str, reason: str = "") -> None:
-        """Apply a group's outcome ("kept", "dropped", "abandoned") once; repeats are ignored.
+    def resolve_group(self, group_id: str, outcome: GroupState | str, reason: str = "") -> None:
+        """Apply a group's decided state (kept, dropped, abandoned) once; repeats are ignored.
 
         A group moves in flight → kept | dropped | abandoned, and kept → dropped when the
         buffer finds it stale at release (the ledger's rule, ledger.py)."""
+        state = GroupState(outcome) if outcome in set(GroupState) else None
+        if state is None or not state.decided:
+            raise ValueError(f"group {group_id}: unknown outcome {outcome!r}")
         prev = self.group_status.get(group_id)
-        if prev == outcome or prev in ("dropped", "abandoned") or (prev == "kept" and outcome != "dropped"):
+        if prev == state or (prev is not None and prev.final) or (prev is GroupState.KEPT
+                                                                   and state is not GroupState.DROPPED):
             return
         if prev is None:
             self.in_flight_groups = max(0, self.in_flight_groups - 1)
         else:
             self.kept_groups -= 1
-        if outcome == "kept":
+        if state is GroupState.KEPT:
             self.kept_groups += 1
-        elif outcome == "dropped":
+        elif state is GroupState.DROPPED:
             self.dropped_groups += 1
-        elif outcome == "abandoned":
+        else:
             self.abandoned_groups += 1
             key = reason.split(":")[0] or "unknown"
             self.abandon_reasons[key] = self.abandon_reasons.get(key, 0) + 1
-        else:
-            raise ValueError(f"group {group_id}: unknown outcome {outcome!r}")
-        self.group_status[group_id] = outcome
+        self.group_status[group_id] = state
 
-    def restore_versions(self, loaded: int, records: list[dict[str, Any]]) -> None:
+    def all_dropped(self, group_ids: list[str]) -> bool:
+        return all(self.group_status.get(g) == GroupState.DROPPED for g in group_ids)
+
+    def skip_step(self, group_ids: list[str], reason: str) -> None:
+        """A training step the trainer skipped: its groups are dropped (new groups replace them, and the buffer
+        releases a batch in its place)."""
+        self.skipped_steps += 1
+        for g in group_ids:
+            self.resolve_group(g, GroupState.DROPPED, f"non-finite training step: {reason}")
+
+    def restore_versions(self, loaded: int, records: list[TrainLogRecord]) -> None:
         """Versions as their owners hold them: ``loaded`` on the engines; the trainer's log records."""
         self.loaded_weight_version = max(self.loaded_weight_version, loaded)
         for rec in records:
-            if rec["version"] <= loaded and rec["version"] not in self.loaded_weight_versions:
-                self.loaded_weight_versions.append(rec["version"])
-            if all(t.get("weight_version") != rec["version"] for t in self.train_steps):
+            if rec.weight_version <= loaded and rec.weight_version not in self.loaded_weight_versions:
+                self.loaded_weight_versions.append(rec.weight_version)
+            if all(t.get("weight_version") != rec.weight_version for t in self.train_steps):
                 self.train_steps.append(train_step_entry(rec))
 
-    def restore_groups(self, outcomes: list[tuple[str, str, str, float, float | None]]) -> None:
+    def restore_groups(self, outcomes: list[tuple[str, GroupState, str, float, float | None]]) -> None:
         """Groups as the ledger holds them: (group id, state, reason, time, mean reward), by time."""
         for gid, state, reason, at, reward in sorted(outcomes, key=lambda o: o[3]):
             if gid not in self.group_status:
                 self.in_flight_groups += 1
-                if state not in ("playing", "emitted"):
+                if state.decided:
                     self.resolve_group(gid, state, reason)
             if reward is not None:
                 self.group_rewards.append((at, reward))
+
+    def group_counts(self) -> dict[str, int]:
+        """Groups per decided state, and those in flight (the status's ``groups``)."""
+        return {GroupState.KEPT.value: self.kept_groups, GroupState.DROPPED.value: self.dropped_groups,
+                GroupState.ABANDONED.value: self.abandoned_groups, "in_flight": self.in_flight_groups}
 
     @property
     def claimed(self) -> int:
@@ -224,8 +240,7 @@ class RunState:
                 "mean_reward": last.get("reward_mean"),
                 "recent_group_reward": (sum(r for _, r in a.group_rewards[-16:]) / len(a.group_rewards[-16:])
                                         if a.group_rewards else None),
-                "groups": {"kept": a.kept_groups, "dropped": a.dropped_groups,
-                           "abandoned": a.abandoned_groups, "in_flight": a.in_flight_groups},
+                "groups": a.group_counts(),
                 "eval_start": a.eval_start,
                 "eval_end": a.eval_end,
                 "max_staleness": a.max_staleness,

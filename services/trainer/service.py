@@ -27,13 +27,11 @@ the process with SIGKILL at that point — the resume test's crash injection.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
 
 from services.common.bus import Bus, Reject
 from services.common.history import TrainLogSpill, train_log_archive
@@ -42,6 +40,7 @@ from services.common.weight_retention import prune_weight_versions
 from services.common.weights_auth import run_secret, sign
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Batch, Control, Sample, TrainStep, TrainStepSkipped, WeightsUpdate
+from services.contracts.records import GroupState, SkipRecord, TrainLogRecord, Verdict
 from services.training.backends import Policy
 from services.training.signal import learning_signal
 from services.training.step import NonFiniteStep
@@ -49,8 +48,9 @@ from services.training.step import NonFiniteStep
 KEEP_STATES = 2  # committed training states kept on disk (the newest ones)
 
 # Record a skipped batch once: count the buffer's released batches back down, mark its groups dropped.
-# KEYS: skipped-batches hash, released counter, buffer verdicts, skips-in-a-row counter;
-# ARGV: batch id, record, verdict, skips in a row, group ids...
+# KEYS: skipped-batches hash, released counter, buffer verdicts, skips-in-a-row counter (its entry in
+# contracts/keys.py SCRIPTS); ARGV: batch id, record (``SkipRecord``), verdict (``Verdict``), skips in a row,
+# group ids...
 SKIP = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
@@ -147,13 +147,13 @@ class TrainerService:
                              f"this trainer trains {agent!r}")
         skipped = await self.bus.redis.hget(s.skipped_batches(agent), batch.id)
         if skipped is not None:  # a redelivery of a skipped batch: re-announce the skip, dead-letter it
-            await self.reject_skipped(json.loads(skipped))
+            await self.reject_skipped(SkipRecord.parse(skipped))
         seen = await self.bus.redis.smismember(s.trained_samples(agent), [x.id for x in batch.samples])
         fresh = [x for x, done in zip(batch.samples, seen, strict=True) if not done]
         if not fresh:  # a redelivery: re-announce the version it produced (a crash may have lost it)
             for raw in await self.bus.redis.lrange(s.train_log(agent), 0, -1):
-                rec = json.loads(raw)
-                if rec["batch_id"] == batch.id:
+                rec = TrainLogRecord.parse(raw)
+                if rec.batch_id == batch.id:
                     await self.announce(rec)
             self.log.info("batch %s already trained; skipping", batch.id)
             return
@@ -176,13 +176,13 @@ class TrainerService:
             path, checksum = await asyncio.to_thread(self.policy.save, self.ckpt_dir / f"v{new_version:05d}")
             await asyncio.to_thread(self.policy.save_state, self.state_dir(new_version), new_version)
             failpoint("after_state", new_version)
-            # the train log's record (persisted: its keys "version"/"batch_step" stay as written before schema 3)
-            record = {"version": new_version, "batch_id": batch.id, "sample_ids": [x.id for x in fresh],
-                      "path": str(path.resolve()), "checksum": checksum,
-                      "signature": sign(self.secret, self.agent, new_version, str(path.resolve()), checksum),
-                      "engines": sorted({e for x in fresh for e in x.engines}),
-                      "min_weight_version": min(x.min_weight_version for x in fresh),
-                      "metrics": {**metrics, "version": new_version, "batch_step": batch.weight_version}}
+            record = TrainLogRecord(
+                weight_version=new_version, batch_id=batch.id, sample_ids=[x.id for x in fresh],
+                path=str(path.resolve()), checksum=checksum,
+                signature=sign(self.secret, self.agent, new_version, str(path.resolve()), checksum),
+                engines=sorted({e for x in fresh for e in x.engines}),
+                min_weight_version=min(x.min_weight_version for x in fresh), metrics=metrics,
+                batch_weight_version=batch.weight_version)
             await self.commit(fresh, record)
         except NonFiniteStep as exc:
             self.log.warning("step %d is non-finite (%s); rolling back to version %d", new_version, exc,
@@ -213,13 +213,13 @@ class TrainerService:
         self.nonfinite_in_row += 1
         SKIPPED_STEPS.labels(agent=self.agent).inc()
         groups = sorted({x.group_id for x in fresh})
-        rec = {"batch_id": batch.id, "batch_step": batch.weight_version, "reason": reason,  # persisted keys
-               "sample_ids": [x.id for x in fresh], "group_ids": groups, "consecutive": self.nonfinite_in_row,
-               "version": self.weight_version}
+        rec = SkipRecord(batch_id=batch.id, batch_weight_version=batch.weight_version, reason=reason,
+                         sample_ids=[x.id for x in fresh], group_ids=groups, consecutive=self.nonfinite_in_row,
+                         weight_version=self.weight_version)
         keys = [s.skipped_batches(self.agent), s.batches_released(self.agent), s.buffer_verdicts(self.agent),
                 s.nonfinite_in_row(self.agent)]
-        await self._skip(keys=keys, args=[batch.id, json.dumps(rec), "dropped:non-finite training step",
-                                          self.nonfinite_in_row, *groups])
+        verdict = Verdict(state=GroupState.DROPPED, reason="non-finite training step").encode()
+        await self._skip(keys=keys, args=[batch.id, rec.dump(), verdict, self.nonfinite_in_row, *groups])
         if self.nonfinite_in_row >= self.max_nonfinite:
             self.failed = (f"{self.nonfinite_in_row} training steps in a row were non-finite "
                            f"(agents.{self.agent}.max_nonfinite_steps = {self.max_nonfinite}); last: {reason}")
@@ -227,21 +227,21 @@ class TrainerService:
             self.stop.set()
         await self.reject_skipped(rec)
 
-    async def reject_skipped(self, rec: dict[str, Any]) -> None:
+    async def reject_skipped(self, rec: SkipRecord) -> None:
         await self.bus.publish(self.bus.streams.events, TrainStepSkipped(
-            source=self.bus.service, agent=self.agent, batch_id=rec["batch_id"], batch_weight_version=rec["batch_step"],
-            reason=rec["reason"], sample_ids=rec["sample_ids"], group_ids=rec["group_ids"],
-            consecutive=rec["consecutive"]))
-        raise Reject(f"training step skipped, nothing published ({rec['reason']}); the weights stay at version "
-                     f"{rec['version']}; rejected samples: {', '.join(rec['sample_ids'])}")
+            source=self.bus.service, agent=self.agent, batch_id=rec.batch_id,
+            batch_weight_version=rec.batch_weight_version, reason=rec.reason, sample_ids=rec.sample_ids,
+            group_ids=rec.group_ids, consecutive=rec.consecutive))
+        raise Reject(f"training step skipped, nothing published ({rec.reason}); the weights stay at version "
+                     f"{rec.weight_version}; rejected samples: {', '.join(rec.sample_ids)}")
 
-    async def commit(self, fresh: list[Sample], record: dict[str, Any]) -> None:
+    async def commit(self, fresh: list[Sample], record: TrainLogRecord) -> None:
         """The point of no return: what was trained, the published version and the log, in one transaction."""
         s = self.bus.streams
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(s.trained_samples(self.agent), *[x.id for x in fresh])
-            pipe.set(s.published_weight_version(self.agent), record["version"])
-            pipe.rpush(s.train_log(self.agent), json.dumps(record))
+            pipe.set(s.published_weight_version(self.agent), record.weight_version)
+            pipe.rpush(s.train_log(self.agent), record.dump())
             pipe.set(s.nonfinite_in_row(self.agent), 0)
             await pipe.execute()
 
@@ -255,16 +255,14 @@ class TrainerService:
         if moved:
             self.log.info("archived %d train-log records to %s", moved, self.history.archive)
 
-    async def announce(self, rec: dict[str, Any]) -> None:
+    async def announce(self, rec: TrainLogRecord) -> None:
         """Publish a committed version: its weights, then its train_step event (kept once per version)."""
         s = self.bus.streams
         await self.bus.publish(s.weights(self.agent), WeightsUpdate(
-            agent=self.agent, weight_version=rec["version"], path=rec["path"], checksum=rec["checksum"],
-            signature=rec.get("signature") or sign(self.secret, self.agent, rec["version"], rec["path"],
-                                                    rec["checksum"])))
-        if "metrics" in rec:
-            metrics = {k: v for k, v in rec["metrics"].items() if k not in ("version", "batch_step")}
+            agent=self.agent, weight_version=rec.weight_version, path=rec.path, checksum=rec.checksum,
+            signature=rec.signature or sign(self.secret, self.agent, rec.weight_version, rec.path, rec.checksum)))
+        if rec.metrics is not None:
             await self.bus.publish(s.events, TrainStep(source=self.bus.service, agent=self.agent,
-                                                       weight_version=rec["version"],
-                                                       batch_weight_version=rec["metrics"]["batch_step"],
-                                                       metrics=metrics))
+                                                       weight_version=rec.weight_version,
+                                                       batch_weight_version=rec.batch_weight_version,
+                                                       metrics=rec.metrics))

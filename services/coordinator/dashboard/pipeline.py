@@ -26,8 +26,7 @@ def gate(agent: Any) -> dict[str, Any]:
     limit = (agent.loaded_weight_version + agent.max_staleness + 1) * agent.groups_per_batch
     return {"blocked": agent.blocked_by_staleness(), "claimed": agent.claimed, "limit": limit,
             "max_staleness": agent.max_staleness, "loaded_weight_version": agent.loaded_weight_version,
-            "groups": {"kept": agent.kept_groups, "dropped": agent.dropped_groups,
-                       "abandoned": agent.abandoned_groups, "in_flight": agent.in_flight_groups},
+            "groups": agent.group_counts(),
             "abandon_reasons": dict(agent.abandon_reasons)}  # the group ledger's reasons (ledger.py)
 
 
