@@ -175,6 +175,13 @@ def test_answer_then_answer_held_out_questions_are_never_trained_on() -> None:
     assert err.value.field == "held_out"
 
 
+def test_twenty_questions_hides_held_out_objects_only_in_evaluations() -> None:
+    params = {"held_out": 0.25}
+    trained = {TwentyQuestions(params, seed).secret for seed in range(500)}
+    held = {TwentyQuestions(TwentyQuestions.evaluation_params(params), seed).secret for seed in range(500)}
+    assert not trained & held and trained | held == set(TABLE) and held
+
+
 # --- debate ---------------------------------------------------------------------------
 def test_debate_rule_judge_is_zero_sum_and_favours_evidence() -> None:
     env = Debate({"rounds": 2}, 0)

@@ -147,6 +147,22 @@ def test_the_table_carries_the_environments_episode_measures(tmp_path: Path) -> 
     assert "| co | A | random | turns | 10.000 ± 0.000 | 8.500 ± 0.500 |" in markdown(aggregate(subs), "t")
 
 
+def test_each_seeds_gain_is_given_in_its_own_standard_errors(tmp_path: Path) -> None:
+    subs = plan(str(_base(tmp_path)), [0, 1], [], [parse_setup("co")], "sw")
+    for s, (end, end_se) in zip(subs, ((0.8, 0.04), (0.5, None)), strict=True):
+        summary = _summary(0.5, end)
+        summary["evals"][0]["details"]["A"]["score_se"] = 0.03
+        if end_se is not None:
+            summary["evals"][1]["details"]["A"]["score_se"] = end_se
+        s.run_dir.mkdir(parents=True)
+        (s.run_dir / "summary.json").write_text(json.dumps(summary))
+    seeds = aggregate(subs)["co"]["rows"][0]["per_seed"]
+    assert math.isclose(seeds[0]["gain_in_se"], 0.3 / 0.05) and seeds[1]["gain_in_se"] is None
+    table = markdown(aggregate(subs), "t")
+    assert "| co | A | random | 0 | 0.500 ± 0.030 | 0.800 ± 0.040 | 6.0 |" in table
+    assert "| co | A | random | 1 | 0.500 ± 0.030 | 0.500 | - |" in table
+
+
 def test_mean_se_and_eval_shapes() -> None:
     assert mean_se([]) == (None, None, 0) and mean_se([0.5]) == (0.5, None, 1)
     assert mean_se([1.0, float("nan"), None, 3.0])[:2] == (2.0, 1.0)  # type: ignore[list-item]

@@ -20,18 +20,17 @@ the first answer, or answers correctly when it is first).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import operator
 import random
 import re
 from functools import lru_cache
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import ChatParams, EnvParams
+from services.envs.params import ChatParams, EnvParams, HeldOutParams, split_cases
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a number: "1-16" is 1 and 16
@@ -43,16 +42,12 @@ def last_int(reply: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-class AnswerThenAnswerParams(ChatParams):
+class AnswerThenAnswerParams(ChatParams, HeldOutParams):
     max_operand: int = Field(9, ge=1, le=10**6)
     ops: str = Field("+-*", description="the operators questions draw from")
     format_penalty: float = Field(0.5, ge=0.0, le=10.0)
     terse: bool = Field(False, description="the tiny demo model's terse questions ('3+4=', then '3+4= A:7 You:'); "
                         "false: a chat model's ('What is 3+4?', then the question and the first answer in words)")
-    held_out: float = Field(0.0, ge=0.0, lt=1.0, description="the share of the questions kept out of training and "
-                            "asked only by evaluations (chosen by a hash of the question, the same for every seed)")
-    split: Literal["train", "eval"] = Field("train", description="the questions drawn: 'train' (those not held "
-                                            "out) or 'eval' (the held-out ones); evaluations set 'eval' themselves")
 
     @field_validator("ops")
     @classmethod
@@ -61,28 +56,16 @@ class AnswerThenAnswerParams(ChatParams):
             raise ValueError(f"must be made of {''.join(OPS)}")
         return ops
 
-    @field_validator("held_out")
-    @classmethod
-    def _both_splits_hold_questions(cls, held_out: float, info: ValidationInfo) -> float:
-        if held_out and {"max_operand", "ops"} <= set(info.data):
-            for split in ("train", "eval"):
-                questions(info.data["max_operand"], info.data["ops"], held_out, split)
-        return held_out
-
-
-def is_held_out(question: str, share: float) -> bool:
-    """Whether ``question`` ("3+4=") is among the held-out ``share`` of questions (a hash of its text)."""
-    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:4], "big") < share * 2**32
+    def check_splits(self) -> None:
+        for split in ("train", "eval"):
+            questions(self.max_operand, self.ops, self.held_out, split)
 
 
 @lru_cache(maxsize=32)
 def questions(max_operand: int, ops: str, held_out: float, split: str) -> tuple[tuple[int, str, int], ...]:
     """The (a, op, b) questions of ``split``: those held out (``eval``) or the rest (``train``)."""
-    every = itertools.product(range(max_operand + 1), ops, range(max_operand + 1))
-    chosen = tuple(q for q in every if is_held_out(f"{q[0]}{q[1]}{q[2]}=", held_out) == (split == "eval"))
-    if not chosen:
-        raise ValueError(f"leaves no {split} question")
-    return chosen
+    every = list(itertools.product(range(max_operand + 1), ops, range(max_operand + 1)))
+    return tuple(split_cases(every, [f"{a}{op}{b}=" for a, op, b in every], held_out, split))
 
 
 class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
@@ -109,12 +92,6 @@ class AnswerThenAnswer(Environment[AnswerThenAnswerParams]):
             op = self.rng.choice(p.ops)
         self.question, self.answer = f"{a}{op}{b}=", OPS[op](a, b)
         self.replies: dict[str, int | None] = {}
-
-    @classmethod
-    def evaluation_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        """Evaluations ask the held-out questions when some are held out."""
-        params = super().evaluation_params(params)
-        return {**params, "split": "eval"} if params.get("held_out") else params
 
     def current_role(self) -> str:
         return "first" if "first" not in self.replies else "second"

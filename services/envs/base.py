@@ -150,11 +150,12 @@ class Environment(ABC, Generic[P]):
     @classmethod
     def evaluation_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters evaluations play: ``params`` with a ``dataset``'s ``eval_split`` (its held-out split,
-        when set) as the split tasks are drawn from."""
+        when set) as the split tasks are drawn from, and ``split`` ``eval`` where cases are held out
+        (``HeldOutParams``)."""
         dataset = params.get("dataset")
         if isinstance(dataset, Mapping) and dataset.get("eval_split"):
-            return {**params, "dataset": {**dataset, "split": dataset["eval_split"]}}
-        return params
+            params = {**params, "dataset": {**dataset, "split": dataset["eval_split"]}}
+        return {**params, "split": "eval"} if params.get("held_out") else params
 
     @classmethod
     def make_group(cls, params: Mapping[str, Any] | EnvParams, seed: int, size: int) -> list[Environment]:

@@ -7,10 +7,11 @@ message (the protocol told to a chat model)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
 SHAPING: dict[str, Any] = {"shaping": True}  # a parameter's json_schema_extra: reward shaping, training only
@@ -20,6 +21,14 @@ class EnvParamError(ValueError):
     """Bad environment parameters; ``field`` is the parameter at fault ("" when it is several)."""
 
     def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class FieldError(ValueError):
+    """Raised by a model validator for a fault of one parameter (``field``), which ``validate`` then names."""
+
+    def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
 
@@ -44,6 +53,42 @@ class ChatParams(EnvParams):
                                    "environment's default (which tells a chat model the protocol); '': none")
 
 
+class HeldOutParams(EnvParams):
+    """Parameters of an environment whose cases can be held out: ``held_out`` is the share of its cases (chosen
+    by a hash of the case's name, the same for every seed) that training never draws and evaluations alone
+    draw (``Environment.evaluation_params`` sets ``split`` to ``eval``)."""
+
+    held_out: float = Field(0.0, ge=0.0, lt=1.0, description="the share of the cases kept out of training and "
+                            "drawn only by evaluations (chosen by a hash of the case, the same for every seed)")
+    split: Literal["train", "eval"] = Field("train", description="the cases drawn: 'train' (those not held out) "
+                                            "or 'eval' (the held-out ones); evaluations set 'eval' themselves")
+
+    def check_splits(self) -> None:
+        """Build both splits' cases (a ValueError when one is empty); environments with cases override it."""
+
+    @model_validator(mode="after")
+    def _both_splits_hold_cases(self) -> HeldOutParams:
+        if self.held_out:
+            try:
+                self.check_splits()
+            except ValueError as exc:
+                raise FieldError("held_out", f"{self.held_out} {exc}") from None
+        return self
+
+
+def is_held_out(case: str, share: float) -> bool:
+    """Whether the case named ``case`` is among the held-out ``share`` of cases (a hash of the name)."""
+    return int.from_bytes(hashlib.sha256(case.encode()).digest()[:4], "big") < share * 2**32
+
+
+def split_cases(cases: list[Any], names: list[str], share: float, split: str) -> list[Any]:
+    """The cases of ``split`` (``names[i]`` names ``cases[i]``); a split left empty is a ValueError."""
+    chosen = [c for c, n in zip(cases, names, strict=True) if is_held_out(n, share) == (split == "eval")]
+    if not chosen:
+        raise ValueError(f"leaves no {split} case")
+    return chosen
+
+
 def validate(env: str, model: type[EnvParams], params: Mapping[str, Any] | EnvParams) -> EnvParams:
     """``params`` as ``model``, defaults filled in; raises EnvParamError naming the first bad parameter."""
     if isinstance(params, model):
@@ -58,6 +103,9 @@ def validate(env: str, model: type[EnvParams], params: Mapping[str, Any] | EnvPa
         if err["type"] == "extra_forbidden":
             known = ", ".join(model.model_fields) or "none"
             raise EnvParamError(f"{env}: {field}: unknown parameter (known: {known})", field) from None
+        error = err.get("ctx", {}).get("error")
+        if isinstance(error, FieldError):  # a model validator's fault of one parameter
+            field, err = error.field, {**err, "type": "missing"}
         message = err["msg"].removeprefix("Value error, ")
         got = "" if err["type"] == "missing" or not field else f", got {err['input']!r}"
         raise EnvParamError(f"{env}: {field + ': ' if field else ''}{message}{got}", field) from None

@@ -23,6 +23,7 @@ Rewards
   ``-truth_reward`` per answer that does not, ``-format_penalty`` (and the
   asker is told "no answer") for a reply that is neither yes nor no.
 After ``max_questions`` questions the episode ends; the asker gets no bonus.
+``held_out`` keeps a share of the objects (by a hash of the name) secret in evaluations only.
 
 Scripted players: asker ``halving`` (the attribute that best splits the
 objects still possible, then a guess) and ``random``; answerer ``truthful``,
@@ -38,7 +39,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.params import ChatParams, EnvParams
+from services.envs.params import ChatParams, EnvParams, HeldOutParams, split_cases
 
 ATTRIBUTES = ("alive", "animal", "edible", "metal", "big", "wild", "flies", "swims", "red", "electric")
 _ROWS = {  # object: attributes that are true; every other attribute is false
@@ -84,11 +85,22 @@ def yes_no(reply: str) -> bool | None:
     return None if said is None else said == "yes"
 
 
-class TwentyQuestionsParams(ChatParams):
+def secrets(held_out: float, split: str) -> list[str]:
+    """The objects hidden in ``split``'s episodes: all of them, or with ``held_out`` those held out (``eval``)
+    or the rest (``train``)."""
+    objects = sorted(TABLE)
+    return split_cases(objects, objects, held_out, split) if held_out else objects
+
+
+class TwentyQuestionsParams(ChatParams, HeldOutParams):
     max_questions: int = Field(20, ge=1, le=100)
     question_cost: float = Field(0.02, ge=0.0, le=1.0, description="asker, per question")
     truth_reward: float = Field(0.1, ge=0.0, le=10.0, description="answerer, + per true answer, - per lie")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0)
+
+    def check_splits(self) -> None:
+        for split in ("train", "eval"):
+            secrets(self.held_out, split)
 
 
 class TwentyQuestions(Environment[TwentyQuestionsParams]):
@@ -113,7 +125,7 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
-        self.secret = self.rng.choice(sorted(TABLE))
+        self.secret = self.rng.choice(secrets(self.params.held_out, self.params.split))
         self.to_act = "asker"
         self.questions = 0
         self.pending: str | None = None  # the attribute the answerer is asked about

@@ -79,6 +79,7 @@ def eval_points(summary: dict[str, Any], default_opponent: str = "eval") -> list
                     points.append({"index": i, "label": ev.get("label"), "agent": agent, "opponent": opponent,
                                    "step": int(step or 0), "score": float(rep["score"]),
                                    "illegal": _illegal(rep), "episodes": rep.get("episodes"),
+                                   "se": rep.get("score_se") if isinstance(rep.get("score_se"), int | float) else None,
                                    "means": rep.get("summary_means") or {}})
     return points
 
@@ -117,6 +118,7 @@ def aggregate(subs: list[SubRun]) -> dict[str, Any]:
             a = (summary.get("agents") or {}).get(agent) or {}
             s["cells"][(agent, opponent)].append({"seed": sub.seed, "start": se["start"]["score"],
                                                   "end": se["end"]["score"], "end_step": se["end"]["step"],
+                                                  "start_se": se["start"].get("se"), "end_se": se["end"].get("se"),
                                                   "illegal": se["end"]["illegal"],
                                                   "start_means": se["start"].get("means") or {},
                                                   "end_means": se["end"].get("means") or {},
@@ -136,11 +138,22 @@ def _row(agent: str, opponent: str, trains: bool, cells: list[dict[str, Any]]) -
     row["gain"] = {"mean": m, "se": se, "n": n}
     row["end_step"] = max(c["end_step"] for c in cells)
     row["summary_means"] = _measures(cells)
-    row["per_seed"] = [{k: c[k] for k in ("seed", "start", "end", "illegal")} for c in cells]
+    row["per_seed"] = [{**{k: c.get(k) for k in ("seed", "start", "end", "start_se", "end_se", "illegal")},
+                        "gain_in_se": gain_in_se(c)} for c in cells]
     row["curves"] = {str(c["seed"]): c["curve"] for c in cells}
     return row
 
 
+
+
+def gain_in_se(cell: dict[str, Any]) -> float | None:
+    """One seed's final − start in standard errors of that difference (the two evaluations' own SEs, taken as
+    independent); None without both SEs, inf when both are 0 and the score rose."""
+    s, e = cell.get("start_se"), cell.get("end_se")
+    if s is None or e is None:
+        return None
+    diff, se = cell["end"] - cell["start"], math.hypot(s, e)
+    return diff / se if se > 0 else (math.inf if diff > 0 else 0.0)
 
 
 def _measures(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -169,7 +182,22 @@ def markdown(agg: dict[str, Any], title: str) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         if s["missing"]:
             lines.append(f"| {name} | missing: {', '.join(s['missing'])} |" + " |" * (len(COLS) - 2))
-    return "\n".join(lines + _measures_table(agg)) + "\n"
+    return "\n".join(lines + _per_seed_table(agg) + _measures_table(agg)) + "\n"
+
+
+def _per_seed_table(agg: dict[str, Any]) -> list[str]:
+    """Each seed's start and final score ± its evaluation's SE, and the gain in SEs of the difference."""
+    rows = [(name, r, c) for name, s in agg.items() for r in s["rows"] if r["trains"] for c in r["per_seed"]]
+    if not any(c.get("gain_in_se") is not None for _, _, c in rows):
+        return []
+    lines = ["", "Per seed: each evaluation's score ± its own SE (over its episodes), and final − start in SEs "
+             "of the difference.", "", "| set-up | agent | opponent | seed | start | final | gain / SE |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r, c in rows:
+        z = c.get("gain_in_se")
+        lines.append(f"| {name} | {r['agent']} | {r['opponent']} | {c['seed']} | {_fmt(c['start'], c['start_se'])} | "
+                     f"{_fmt(c['end'], c['end_se'])} | {'-' if z is None else f'{z:.1f}'} |")
+    return lines
 
 
 def _measures_table(agg: dict[str, Any]) -> list[str]:
