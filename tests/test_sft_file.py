@@ -1,21 +1,27 @@
 """Supervised training from a chat-format JSONL file: the view and mask of a file sample, the SFT loss's
-gradient only on assistant tokens, ``agents.X.sft`` validation naming the field, and a short training run."""
+gradient only on assistant tokens, ``agents.X.sft`` validation naming the field, a short training run, and
+``tandem sft`` with the refusals of ``tandem up`` and ``tandem pipeline``."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.contracts.config import ConfigError, SftRecord, parse_config
+from services.launcher.preflight import preflight
 from services.training.algorithms import make_algorithm, make_inputs
 from services.training.grpo import token_logprobs
 from services.training.sft_file import file_sample, file_samples, train_from_file
 from services.training.step import pad_batch
+from tests.helpers import REPO
 
 RECORD = {"messages": [{"role": "system", "content": "You play tic-tac-toe."},
                        {"role": "user", "content": "Board: ... Your move?"},
@@ -122,3 +128,30 @@ def test_train_from_file_lowers_the_files_nll_and_writes_the_last_version(tiny_m
     assert result.nll_after < result.nll_before - 0.1, result
     report = json.loads((tmp_path / "out" / "sft_report.json").read_text())
     assert report["checkpoint"] == result.checkpoint and report["start_model"] == str(tiny_model_dir)
+
+
+def tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.launcher.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_tandem_sft_writes_the_checkpoint_and_up_and_pipeline_refuse_what_is_not_theirs(tiny_model_dir: Path,
+                                                                                        tmp_path: Path):
+    data = write_jsonl(tmp_path / "d.jsonl", [RECORD] * 4)
+    cfg = config(tiny_model_dir, {"dataset": str(data), "batch_size": 2})
+    cfg["run"].update(checkpoint_root=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "runs"))
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tandem("sft", str(path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = tmp_path / "ckpt" / "sft" / "A" / "v00002"
+    assert "A: 4 samples, 2 steps" in out.stdout and str(ckpt.resolve()) in out.stdout
+    assert (ckpt / "model.safetensors").is_file()
+    again = tandem("sft", str(path))  # the checkpoints are kept unless --fresh
+    assert again.returncode == 2 and "agents.A.sft" in again.stderr and "--fresh" in again.stderr
+    assert tandem("sft", str(path), "--fresh", "--set", "agents.A.sft.epochs=2").returncode == 0
+    assert (tmp_path / "ckpt" / "sft" / "A" / "v00004").is_dir() and not ckpt.exists()
+    with pytest.raises(ConfigError, match=r"agents\.A\.sft: tandem up trains on live samples.*tandem sft"):
+        preflight(parse_config(cfg), str(path), "new")
+    nopipe = tandem("pipeline", str(path))
+    assert nopipe.returncode == 2 and "pipeline: not set" in nopipe.stderr
