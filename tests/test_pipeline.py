@@ -1,4 +1,5 @@
-"""``tandem pipeline``: collect → SFT → RL on the demo model, each stage's checkpoint feeding the next."""
+"""``tandem pipeline``: configs/pipeline_demo.yaml's collect → SFT → RL on the demo model (smaller), each stage's
+checkpoint feeding the next."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
 RL_STEPS = 2
+EPISODES = 24
 
 
 def pipeline(config: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -33,7 +35,7 @@ def file_nll(model_dir: str, dataset: str) -> float:
     """The file's mean NLL on its assistant tokens under the weights in ``model_dir``, computed here."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    samples, _ = file_samples(tok, dataset, "A", None)
+    samples, _ = file_samples(tok, dataset, "A")
     batch = pad_batch(samples, tok.pad_token_id or 0)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     return float(masked_mean(-token_logprobs(logits, batch["targets"], 1.0), batch["mask"]))
@@ -45,14 +47,14 @@ def distance(a: str, b: str) -> float:
 
 
 def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, warm_model_dir: Path):
-    cfg = {"run": {"name": "pipe", "total_steps": RL_STEPS, "concurrent_episodes": 16,
-                   "checkpoint_root": str(tmp_path / "ckpt"), "output_dir": str(tmp_path / "runs")},
-           "api": {"port": 0},
-           "pipeline": {"episodes": 48, "min_reward": 0.0, "sft": {"epochs": 4, "batch_size": 8, "lr": 1e-3}},
-           "environment": {"name": "tictactoe", "group_size": 4, "roles": {"X": "A", "O": "scripted:random"},
-                           "eval": {"episodes": 4}},
-           "agents": {"A": {"model_path": str(warm_model_dir), "groups_per_batch": 2,
-                            "sampling": {"max_new_tokens": 4}}}}
+    cfg = yaml.safe_load((REPO / "configs" / "pipeline_demo.yaml").read_text())
+    cfg["run"].update(name="pipe", total_steps=RL_STEPS, concurrent_episodes=16,
+                      checkpoint_root=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "runs"))
+    cfg["api"] = {"port": 0}
+    # self-play, both sides kept unless they lost (the test's small model makes illegal moves: few outright wins)
+    cfg["pipeline"] = {"episodes": EPISODES, "min_reward": 0.0, "sft": {"epochs": 4, "batch_size": 8, "lr": 1e-3}}
+    cfg["environment"].update(group_size=4, eval={"episodes": 4})
+    cfg["agents"]["A"].update(model_path=str(warm_model_dir), groups_per_batch=2)
     path = tmp_path / "pipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = pipeline(path)
@@ -62,7 +64,7 @@ def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, wa
     # collect: the start model played; every kept trajectory is A's, at weight version 0, with reward >= 0
     collected = manifest["collect"]
     rows = [json.loads(line) for line in Path(collected["file"]).read_text().splitlines()]
-    assert len(rows) == collected["kept"] > 0 and collected["kept"] + collected["dropped"] == 48
+    assert len(rows) == collected["kept"] > 0 and collected["kept"] + collected["dropped"] == 2 * EPISODES
     assert {r["agent"] for r in rows} == {"A"} and {r["weight_version"] for r in rows} == {0}
     assert min(r["reward"] for r in rows) >= 0.0 and collected["model_paths"]["A"] == str(warm_model_dir)
 

@@ -106,9 +106,9 @@ def test_records_of_other_agents_and_past_the_context_are_left_out(tiny_model_di
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [RECORD, {**RECORD, "agent": "B"}, {"messages": RECORD["messages"]}]  # no agent: every agent's
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    samples, counts = file_samples(tok, str(path), "A", None)
+    samples, counts = file_samples(tok, str(path), "A")
     assert len(samples) == 2 and counts == {"records": 3, "other_agents": 1, "too_long": 0}
-    samples, counts = file_samples(tok, str(path), "A", None, context=len(samples[0].tokens) - 1)
+    samples, counts = file_samples(tok, str(path), "A", context=len(samples[0].tokens) - 1)
     assert not samples and counts["too_long"] == 2
 
 

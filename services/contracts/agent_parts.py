@@ -190,23 +190,26 @@ class SftRecord(BaseModel):
             raise ValueError("the conversation opens with an assistant message; it needs a user message first")
         return self
 
-
-def read_sft_records(path: str) -> list[SftRecord]:
-    """Every record of a chat-format JSONL file; ValueError naming the line that is not one."""
-    records = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
+    @classmethod
+    def read_file(cls, path: str) -> list[SftRecord]:
+        """Every record of a chat-format JSONL file; ValueError naming the line that is not one."""
+        records = []
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                records.append(SftRecord.model_validate_json(line))
+                records.append(cls.model_validate_json(line))
             except ValidationError as exc:
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
                 raise ValueError(f"{path} line {n}: {where + ': ' if where else ''}{err['msg']}") from None
-    if not records:
-        raise ValueError(f"{path}: no records")
-    return records
+        if not records:
+            raise ValueError(f"{path}: no records")
+        return records
 
 
 class SftSchedule(Strict):
@@ -229,5 +232,5 @@ class SftDataConfig(SftSchedule):
     def _readable(cls, path: str) -> str:
         if not Path(path).is_file():
             raise ValueError(f"no such file: {path}")
-        read_sft_records(path)
+        SftRecord.read_file(path)
         return path

@@ -34,6 +34,7 @@ from services.contracts.config import (
     AgentConfig,
     AlgorithmConfig,
     ConfigError,
+    PipelineConfig,
     SftDataConfig,
     TandemConfig,
     apply_env_overrides,
@@ -107,13 +108,21 @@ def sft_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def sft_stage_config(cfg: TandemConfig, name: str, dataset: Path) -> AgentConfig:
+def stage_problems(cfg: TandemConfig) -> list[str]:
+    """What keeps a training agent out of the SFT stage (checked before the first stage plays)."""
+    problems = []
+    for name, acfg in cfg.agents.items():
+        if acfg.train and acfg.backend != "torch":
+            problems.append(f"agents.{name}.backend: the pipeline's SFT stage trains on backend torch")
+        if acfg.train and acfg.lora is not None:
+            problems.append(f"agents.{name}.lora: the SFT stage trains every weight (its checkpoint becomes the RL "
+                            "run's model_path); set lora: null")
+    return problems
+
+
+def sft_stage_config(acfg: AgentConfig, pipeline: PipelineConfig, dataset: Path) -> AgentConfig:
     """The agent as the pipeline's SFT stage trains it: algorithm sft at pipeline.sft.lr, on ``dataset``."""
-    acfg, spec = cfg.agents[name], cfg.pipeline.sft if cfg.pipeline else None
-    assert spec is not None
-    if acfg.backend != "torch":
-        raise ConfigError(f"agents.{name}.backend: the pipeline's SFT stage trains on backend torch, not "
-                          f"{acfg.backend!r}")
+    spec = pipeline.sft
     try:
         data = SftDataConfig(dataset=str(dataset), epochs=spec.epochs, max_samples=spec.max_samples,
                              batch_size=spec.batch_size)
@@ -136,6 +145,8 @@ def pipeline_command(args: argparse.Namespace) -> int:
         data = data if data is not None else load_yaml(args.config)
         if cfg.pipeline is None:
             raise ConfigError(f"{args.config}: pipeline: not set (episodes, min_reward, sft: the stages' settings)")
+        if problems := stage_problems(cfg):
+            raise ConfigError(f"{args.config}: cannot start:\n  " + "\n  ".join(problems))
         run_lock.check_live(cfg)
         preflight(cfg, args.config, "fresh" if args.fresh else "new")  # the RL run's, before any stage
         stage_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-pipeline"
@@ -152,6 +163,7 @@ def pipeline_command(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return run_lock.RUN_IS_LIVE
     print(f"pipeline: RL from the SFT checkpoints ({rl_path})")
+    (stage_dir / "pipeline.json").write_text(json.dumps(manifest, indent=1) + "\n")  # collect and SFT so far
     code = up(rl_cfg, rl_path, fresh=args.fresh)
     manifest["rl"] = {"run": cfg.run.name, "config": rl_path, "exit_code": code, "agents": {
         name: {"model_path": rl_cfg.agents[name].model_path,
@@ -171,7 +183,10 @@ def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, sft_roo
     _torch_env()
     trajectories = stage_dir / "trajectories.jsonl"
     print(f"pipeline: collect, {cfg.pipeline.episodes} episodes -> {trajectories}")
-    counts = asyncio.run(collect(cfg, {}, cfg.pipeline.episodes, trajectories, cfg.pipeline.min_reward))
+    try:
+        counts = asyncio.run(collect(cfg, {}, cfg.pipeline.episodes, trajectories, cfg.pipeline.min_reward))
+    except ValueError as exc:
+        raise ConfigError(f"pipeline: the collect stage: {exc}") from None
     versions = sorted({json.loads(line)["weight_version"] for line in trajectories.read_text().splitlines()})
     manifest: dict[str, Any] = {"collect": {"file": str(trajectories.resolve()), **counts, "weight_versions": versions,
                                             "model_paths": {n: a.model_path for n, a in cfg.agents.items()}},
@@ -184,7 +199,7 @@ def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, sft_roo
             continue
         print(f"pipeline: SFT of {name} on its trajectories")
         try:
-            result = train_from_file(sft_stage_config(cfg, name, trajectories), name, sft_root / name)
+            result = train_from_file(sft_stage_config(acfg, cfg.pipeline, trajectories), name, sft_root / name)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         manifest["sft"][name] = result.to_json()

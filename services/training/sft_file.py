@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from services.contracts.agent_parts import read_sft_records
 from services.contracts.config import AgentConfig, SftRecord
 from services.contracts.messages import Sample
 from services.envs.render import ChatRenderer
@@ -56,13 +55,13 @@ def file_sample(tokenizer: Any, record: SftRecord, agent: str, episode_id: str) 
                   weight_versions=[record.weight_version] * turns)
 
 
-def file_samples(tokenizer: Any, path: str, agent: str, max_samples: int | None,
+def file_samples(tokenizer: Any, path: str, agent: str,
                  context: int | None = None) -> tuple[list[Sample], dict[str, int]]:
-    """The agent's samples of the file (records naming another agent are left out), the first ``max_samples``;
-    and how many records were read, left to other agents, or too long for ``context`` tokens."""
+    """The agent's samples of the file (records naming another agent are left out), and how many records were
+    read, left to other agents, or too long for ``context`` tokens."""
     counts = {"records": 0, "other_agents": 0, "too_long": 0}
     out: list[Sample] = []
-    for n, record in enumerate(read_sft_records(path)):
+    for n, record in enumerate(SftRecord.read_file(path)):
         counts["records"] += 1
         if record.agent is not None and record.agent != agent:
             counts["other_agents"] += 1
@@ -72,8 +71,6 @@ def file_samples(tokenizer: Any, path: str, agent: str, max_samples: int | None,
             counts["too_long"] += 1
             continue
         out.append(sample)
-        if max_samples is not None and len(out) >= max_samples:
-            break
     return out, counts
 
 
@@ -118,10 +115,13 @@ def train_from_file(acfg: AgentConfig, agent: str, out_dir: Path) -> SftResult:
     spec = acfg.sft
     if spec is None:
         raise ValueError(f"agents.{agent}.sft: not set (a dataset, with algorithm.name sft)")
+    if acfg.lora is not None:
+        raise ValueError(f"agents.{agent}.lora: SFT from a file trains every weight (its checkpoint becomes a "
+                         "model_path); set lora: null")
     start = time.perf_counter()
     policy = TorchPolicy(acfg, temperature=1.0)
     context = getattr(policy.model.config, "max_position_embeddings", None)
-    samples, counts = file_samples(policy.tokenizer, spec.dataset, agent, None, context)
+    samples, counts = file_samples(policy.tokenizer, spec.dataset, agent, context)
     selected = policy.algo.select(samples)  # algorithm.sft_min_reward
     counts["below_min_reward"] = len(samples) - len(selected)
     samples = selected[:spec.max_samples]
