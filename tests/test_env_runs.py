@@ -32,6 +32,7 @@ def _runs_on_cpu(path: Path) -> bool:
 
 # configs a deeper end-to-end test already runs through tandem up (the suite's time is spent once)
 RUN_ELSEWHERE = {"support_desk": "tests/test_three_agents_e2e.py", "tool_relay": "tests/test_tools_e2e.py",
+                 "pipeline_demo": "tests/test_pipeline.py",
                  # the sweep's set-ups: the demo, self-play and pool configs with one budget (those three run here)
                  "compare_cotrain": "demo", "compare_selfplay": "tictactoe_selfplay", "compare_pool": "tictactoe_pool",
                  "answer_demo": "answer_then_answer"}  # the same environment and agents, other parameters

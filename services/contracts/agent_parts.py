@@ -1,4 +1,5 @@
-"""The parts of an agent's config (docs/architecture.md §7): its algorithm, engines, devices, LoRA, layout.
+"""The parts of an agent's config (docs/architecture.md §7): its algorithm, engines, devices, LoRA, layout, and
+supervised training from a chat-format JSONL file (``sft``).
 
 ``services.contracts.config`` re-exports every name here; import them from there.
 """
@@ -6,9 +7,10 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # the trainer's registry (services/training/algorithms) holds exactly these; plug-ins: package.module:Class
@@ -157,3 +159,78 @@ class MegatronLayout(Strict):
     pipeline_parallel: int = Field(1, ge=1, description="pipeline-parallel size (PP); the layers must divide by it")
     data_parallel: int = Field(1, ge=1,
                                description="data-parallel size (DP); the only one available without a GPU (gloo)")
+
+
+class ChatMessage(BaseModel):
+    """A chat message: its role and its text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class SftRecord(BaseModel):
+    """One line of a chat-format JSONL file (``tandem collect`` writes them; TRL's and the Tinker cookbook's
+    conversation files are read too): ``messages`` and, when present, ``reward``, ``agent``, ``weight_version``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    reward: float = Field(0.0, allow_inf_nan=False, description="the episode's reward (0 when the file has none)")
+    agent: str | None = Field(None, description="the agent that played it; set: only that agent trains on it")
+    weight_version: int = Field(0, ge=0, description="the weight version that played it")
+
+    @model_validator(mode="after")
+    def _a_reply_after_a_prompt(self) -> SftRecord:
+        roles = [m.role for m in self.messages if m.role != "system"]
+        if "assistant" not in roles:
+            raise ValueError("no assistant message: nothing to learn")
+        if roles[0] == "assistant":
+            raise ValueError("the conversation opens with an assistant message; it needs a user message first")
+        return self
+
+    @classmethod
+    def read_file(cls, path: str) -> list[SftRecord]:
+        """Every record of a chat-format JSONL file; ValueError naming the line that is not one."""
+        records = []
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(cls.model_validate_json(line))
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"{path} line {n}: {where + ': ' if where else ''}{err['msg']}") from None
+        if not records:
+            raise ValueError(f"{path}: no records")
+        return records
+
+
+class SftSchedule(Strict):
+    """How long supervised training on a file runs."""
+
+    epochs: int = Field(1, ge=1, description="passes over the file's samples")
+    max_samples: int | None = Field(None, ge=1, description="train on the first N of the file's samples (all: null)")
+    batch_size: int = Field(8, ge=1, description="samples per training step (one weight version each)")
+
+
+class SftDataConfig(SftSchedule):
+    """``agents.X.sft``: supervised training from a chat-format JSONL file (``tandem sft``), tokenized with the
+    agent's chat template; the loss covers only the assistant messages' tokens. Needs ``algorithm.name: sft``."""
+
+    dataset: str = Field(description="a chat-format JSONL file (one {messages, reward?, agent?} per line), "
+                         "checked line by line at start")
+
+    @field_validator("dataset")
+    @classmethod
+    def _readable(cls, path: str) -> str:
+        if not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
+        SftRecord.read_file(path)
+        return path

@@ -1,8 +1,7 @@
 """Experiment configuration (docs/architecture.md §7): one YAML file, validated at start.
 
-Every service reads the same file. Environment variables override single
-fields: ``TANDEM_REDIS_URL`` and ``TANDEM_RUN_NAME`` for the common two, and
-``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``);
+Every service reads the same file. Environment variables override single fields: ``TANDEM_REDIS_URL``,
+``TANDEM_RUN_NAME``, and ``TANDEM__a__b__c=value`` for any field (``TANDEM__agents__A__max_staleness=1``);
 ``TANDEM_REDIS_PASSWORD_FILE`` puts the password in that file (a mounted secret) into the Redis URL, and
 ``TANDEM_API_TOKEN_FILE`` the control API's token in that file into ``api.token``.
 """
@@ -27,6 +26,8 @@ from services.contracts.agent_parts import (  # noqa: F401 (re-exported: the con
     EmbeddedConfig,
     LoraConfig,
     MegatronLayout,
+    SftDataConfig,
+    SftRecord,
     SGLangEngineConfig,
     Strict,
     TrainerConfig,
@@ -37,6 +38,7 @@ from services.contracts.run_parts import (  # noqa: F401 (re-exported: the confi
     ApiConfig,
     CheckpointRetention,
     LoggingConfig,
+    PipelineConfig,
     WandbConfig,
 )
 
@@ -66,40 +68,36 @@ class ConfigError(ValueError):
 class AgentConfig(Strict):
     model_path: str = Field(description="the agent's start model: a local Hugging Face model directory (config.json, "
                                         "weights, tokenizer)")
-    backend: Literal["torch", "megatron"] = Field("torch",
-                                                  description="the trainer's backend: torch (transformers + AdamW) or "
-                                                              "megatron (megatron-core; needs tandem[megatron])")
-    engine: Literal["embedded", "sglang"] = Field("embedded",
-                                                  description="the inference engine behind the agent's SGLang router: "
-                                                              "embedded (Tandem's CPU/GPU engine) or sglang (SGLang "
-                                                              "servers on GPUs)")
+    backend: Literal["torch", "megatron"] = Field("torch", description="the trainer's backend: torch (transformers "
+                                                  "+ AdamW) or megatron (megatron-core; needs tandem[megatron])")
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="the inference engine behind the agent's "
+                                                  "SGLang router: embedded (Tandem's CPU/GPU engine) or sglang (SGLang "
+                                                  "servers on GPUs)")
     num_engines: int = Field(1, ge=1, description="inference engines the agent's rollout starts behind its router")
-    max_inflight_per_engine: int = Field(64, ge=1,
-                                         description="generation requests the rollout keeps in flight per healthy "
-                                                     "engine; the rest wait on the turns stream")
+    max_inflight_per_engine: int = Field(64, ge=1, description="generation requests the rollout keeps in flight "
+                                         "per healthy engine; the rest wait on the turns stream")
     router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
     engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
-    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig,
-                                       description="engine: sglang: the launch_server arguments of each engine")
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig, description="engine: sglang: the "
+                                       "launch_server arguments of each engine")
     embedded: EmbeddedConfig = Field(default_factory=EmbeddedConfig,
                                      description="the embedded engine's device, dtype and prefix cache")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig,
                                    description="the trainer's device, precision and activation checkpointing")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig,
                                        description="the training algorithm and its hyper-parameters")
+    sft: SftDataConfig | None = Field(None, description="algorithm sft: train on a chat-format JSONL file "
+                                      "(tandem sft), tokenized with the agent's chat template")
     groups_per_batch: int = Field(4, ge=1, description="GRPO groups per training batch (one training step)")
-    max_staleness: int = Field(0, ge=0,
-                               description="how many weight versions generation may run ahead of the loaded weights "
-                                           "(0: on-policy)")
+    max_staleness: int = Field(0, ge=0, description="how many weight versions generation may run ahead of the "
+                               "loaded weights (0: on-policy)")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal")
-    sampling: SamplingParams = Field(default_factory=SamplingParams,
-                                     description="sampling parameters of the agent's training episodes (SGLang's "
-                                                 "names)")
-    lora: LoraConfig | None = Field(None,
-                                    description="train LoRA adapters on a frozen base instead of every weight (torch "
-                                                "backend); null: full fine-tuning")
-    seed: int = Field(0,
-                      description="the agent's torch seed (initialisation of any new parameters, dropout, data order)")
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="sampling parameters of the "
+                                     "agent's training episodes (SGLang's names)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on a frozen base instead of every weight "
+                                    "(torch backend); null: full fine-tuning")
+    seed: int = Field(0, description="the agent's torch seed (initialisation of any new parameters, dropout, data "
+                      "order)")
     megatron: MegatronLayout = Field(default_factory=MegatronLayout,
                                      description="backend: megatron: the parallel layout (TP x PP x DP)")
     train: bool = Field(True, description="false: a frozen agent — its engine serves fixed weights, no trainer")
@@ -134,6 +132,9 @@ class AgentConfig(Strict):
             raise ValueError(f"lora needs backend 'torch' (backend is {self.backend!r})")
         if self.algorithm.baseline == "value" and self.backend != "torch":
             raise ValueError(f"algorithm.baseline: 'value' needs backend 'torch' (backend is {self.backend!r})")
+        if self.sft is not None and (self.algorithm.name != "sft" or self.backend != "torch"):
+            raise ValueError(f"sft: a dataset trains with algorithm sft on backend torch (algorithm.name is "
+                             f"{self.algorithm.name!r}, backend {self.backend!r})")
         return self
 
 
@@ -267,15 +268,14 @@ class RunConfig(Strict):
 
 class TandemConfig(Strict):
     run: RunConfig = Field(description="the run: its name, length, seeds, directories, restarts and retention")
-    redis_url: str = Field("",
-                           description="an external Redis/Valkey (redis://[:password@]host:port/db); empty: tandem up "
-                                       "starts an embedded one")
+    redis_url: str = Field("", description="an external Redis/Valkey (redis://[:password@]host:port/db); empty: "
+                           "tandem up starts an embedded one")
     api: ApiConfig = Field(default_factory=ApiConfig, description="the coordinator's control API and dashboard")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="TensorBoard and W&B logging")
     environment: EnvironmentConfig = Field(description="the environment, who plays each role, and the evaluation")
-    agents: dict[str, AgentConfig] = Field(min_length=1,
-                                           description="the agents by name, each with its own model, engines, trainer "
-                                                       "and algorithm")
+    pipeline: PipelineConfig | None = Field(None, description="tandem pipeline: collect, then SFT, then RL")
+    agents: dict[str, AgentConfig] = Field(min_length=1, description="the agents by name, each with its own model, "
+                                           "engines, trainer and algorithm")
 
     @field_validator("agents")
     @classmethod

@@ -1,4 +1,5 @@
-"""Parts of the run's config outside the agents: checkpoint retention, the control API, experiment logging.
+"""Parts of the run's config outside the agents: checkpoint retention, the control API, experiment logging, and
+the collect → SFT → RL pipeline (``tandem pipeline``).
 
 Re-exported by ``services.contracts.config`` (the config's one import path)."""
 
@@ -8,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.contracts.agent_parts import Strict
+from services.contracts.agent_parts import SftSchedule, Strict
 
 
 class CheckpointRetention(Strict):
@@ -48,3 +49,18 @@ class LoggingConfig(Strict):
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging (needs tandem[wandb]); null: none")
     interval_s: float = Field(5.0, gt=0, description="how often new metrics are written")
     text_every: int = Field(25, ge=0, description="every Nth episode's transcript is logged as text (0: none)")
+
+
+class PipelineSft(SftSchedule):
+    """The pipeline's SFT stage: the schedule, and its own learning rate."""
+
+    lr: float | None = Field(None, gt=0, description="the SFT stage's learning rate; null: the agent's algorithm.lr")
+
+
+class PipelineConfig(Strict):
+    """``tandem pipeline CONFIG``: collect (the training agents play with their ``model_path``), then SFT of each
+    training agent on its own trajectories (algorithm sft), then RL (``tandem up``) from the SFT checkpoints."""
+
+    episodes: int = Field(ge=1, description="collect: the episodes played")
+    min_reward: float | None = Field(None, description="collect: keep only the trajectories with at least this reward")
+    sft: PipelineSft = Field(default_factory=PipelineSft, description="the SFT stage's schedule and learning rate")

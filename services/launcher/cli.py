@@ -1,5 +1,5 @@
 """``tandem`` command line: ``up``, ``validate``, ``init-demo``, ``init-model``, ``envs``, ``eval``, ``serve``,
-``runs``, ``compare``, ``sweep``."""
+``runs``, ``compare``, ``sweep``, ``collect``, ``sft``, ``pipeline``, ``info``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from services.common.extras import missing
 from services.contracts.config import ConfigError
 from services.launcher import run_lock
 from services.launcher.overrides import add_set_argument, load_with_overrides, write_effective
+from services.launcher.pipeline import add_pipeline_commands, pipeline_command, sft_command
 from services.launcher.preflight import preflight
 from services.launcher.runs import add_run_commands, run_command
 from services.launcher.sweep import add_sweep_command, sweep_command
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_collect_arguments(sub.add_parser("collect", help="play episodes with given weights and write the "
                                          "trajectories as chat-format JSONL for supervised training"))
+    add_pipeline_commands(sub)
     p_info = sub.add_parser("info", help="print the version, devices, backends, engines, algorithms, environments "
                             "and tools of this installation")
     p_info.add_argument("--json", action="store_true", help="print it as JSON")
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         from services.play.collect import main as collect_main
 
         return collect_main(argv[1:])
+    if args.command == "sft":
+        raise SystemExit(sft_command(args))
+    if args.command == "pipeline":
+        raise SystemExit(pipeline_command(args))
     if args.command == "info":
         import json
 

@@ -136,6 +136,9 @@ def preflight(cfg: TandemConfig, source: str, mode: Mode = "validate") -> None:
             hint = f" (run `tandem init-demo{task} {path}` to create the demo model)" if "demo" in path.name else (
                 f" (run `tandem init-model smollm2 {path}` to convert the model)" if "smollm2" in path.name else "")
             problems.append(f"agents.{name}.model_path: {path} is not a model directory{hint}")
+        if agent.sft is not None and mode != "validate":
+            problems.append(f"agents.{name}.sft: tandem up trains on live samples; a dataset is trained by `tandem "
+                            "sft` (then set model_path to its checkpoint) or by `tandem pipeline`")
         if agent.router_port and not port_is_free("127.0.0.1", agent.router_port):
             problems.append(f"agents.{name}.router_port: {agent.router_port} is in use (0 picks a free port)")
         base = agent.engine_base_port
