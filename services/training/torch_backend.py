@@ -3,7 +3,7 @@
 Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
 ``train_step`` with the configured algorithm (``services.training.algorithms``; activation checkpointing
-by ``trainer.gradient_checkpointing``),
+by ``trainer.gradient_checkpointing``, micro-batches of ``trainer.micro_batch_size`` rows),
 writes each version as an HF directory the engines load (under LoRA: the PEFT adapter alone), and
 saves / restores the full training state for resume.
 """
@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.common.devices import autocast, resolve, restore_rng, rng_states, training_precision
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
-from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
+from services.training.algorithms import Share, Stats, StepPlan, make_algorithm, make_inputs
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.schedule import lr_factor
 from services.training.step import Tensors, TrainingStep, pad_batch
@@ -63,6 +63,7 @@ class TorchPolicy(TrainingStep):
         self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
         self.device = resolve(acfg.trainer.device, "trainer.device")
         self.precision = training_precision(self.device, acfg.trainer.dtype)
+        self.micro_batch_size = acfg.trainer.micro_batch_size
         if self.precision != acfg.trainer.dtype:
             log.warning("trainer.dtype: bfloat16 autocast is slower than float32 on a CPU without native bf16 "
                         "(AVX512-BF16/AMX); training in float32")
@@ -113,23 +114,28 @@ class TorchPolicy(TrainingStep):
         return self.reference_logprobs(batch) if reference else self.logprobs(batch)
 
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
-                 ref: torch.Tensor | None) -> Stats:
+                 ref: torch.Tensor | None, share: Share = Share()) -> Stats:
         logp, ent = self.forward(batch, entropy=True)
         adv = plan.advantages_for(rows, batch["mask"].shape[1]).to(self.device)
         x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], adv,
                         plan.stale[rows].to(self.device), prox, ref, ent)
+        x.share = share
         loss, stats = self.algo.loss(x)
         loss.backward()
         return stats
 
     @torch.no_grad()
     def state_features(self, batch: Tensors, positions: list[list[int]]) -> torch.Tensor:
-        """The value baseline's input (value.py): the last hidden state at each row's turn-state positions."""
-        with autocast(self.device, self.precision):
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=True)
-        last = out.hidden_states[-1]
-        return torch.cat([last[j, pos] for j, pos in enumerate(positions)])
+        """The value baseline's input (value.py): the last hidden state at each row's turn-state positions
+        (a micro-batch of rows at a time)."""
+        rows: list[torch.Tensor] = []
+        for s in self.micro(len(positions)):
+            with autocast(self.device, self.precision):
+                out = self.model(input_ids=batch["input_ids"][s], attention_mask=batch["attention_mask"][s],
+                                 output_hidden_states=True)
+            last = out.hidden_states[-1]
+            rows += [last[j, pos] for j, pos in enumerate(positions[s])]
+        return torch.cat(rows)
 
     def clip_grads(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))

@@ -43,6 +43,7 @@ from services.contracts.config import BUILTIN_ALGORITHMS, AlgorithmConfig
 from services.training.algorithms.base import (
     Algorithm,
     LossInputs,
+    Share,
     Stats,
     StepPlan,
     kl_estimate,
@@ -113,5 +114,5 @@ def step_metrics(parts: list[Stats], samples: list[Any], plan: StepPlan, cfg: Al
     return out
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "LossInputs", "Stats", "StepPlan", "kl_estimate", "load_algorithm_class",
+__all__ = ["ALGORITHMS", "Algorithm", "LossInputs", "Share", "Stats", "StepPlan", "kl_estimate", "load_algorithm_class",
            "make_algorithm", "make_inputs", "masked_mean", "mean_stats", "step_metrics"]
