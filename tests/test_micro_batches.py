@@ -1,6 +1,7 @@
 """Micro-batches (``trainer.micro_batch_size``): a minibatch trained a few rows at a time gets the gradient and
 the stats of the whole minibatch in one pass, for each way the algorithms aggregate their loss, with fewer saved
-activations; a bad value or a backend without them fails at config parse, naming the field."""
+activations; a bad value or a backend without them fails at config parse, naming the field. The training passes
+take the logits at the loss-masked positions alone, with the same logprobs and gradients there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from services.contracts.messages import Sample
 from services.training.algorithms import make_algorithm
 from services.training.algorithms.micro import micro_slices
 from services.training.backends import make_policy
-from services.training.torch_backend import TorchPolicy
+from services.training.step import pad_batch
+from services.training.torch_backend import TorchPolicy, keeps_logits
 from tests.helpers import completion_sample
 
 NOT_STATS = {"train_seconds", "tokens_per_s", "activation_mb", "optimizer_state_mb", "grad_mb", "cuda_peak_mb"}
@@ -114,3 +116,21 @@ def test_bad_micro_batch_size_fails_at_config_parse_naming_the_field() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.micro_batch_size needs backend 'torch'"):
         config({"micro_batch_size": 2}, backend="megatron")
     assert config({"micro_batch_size": 0}, backend="megatron").agents["A"].backend == "megatron"
+
+
+def test_logits_only_at_the_loss_mask_give_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
+    p = policy(tiny_model_dir, AlgorithmConfig(entropy_coef=0.01), None)
+    assert p.keeps_logits and not keeps_logits(torch.nn.Linear(2, 2), torch.device("cpu"))
+    b = pad_batch(batch(), p.pad_id)
+    got = {}
+    for masked in (False, True):
+        p.model.zero_grad(set_to_none=True)
+        logp, ent = p.forward(b, entropy=True, masked=masked)
+        ((logp * b["mask"]).sum() + (ent * b["mask"]).sum()).backward()
+        got[masked] = (logp * b["mask"], ent * b["mask"], [t.grad.clone() for t in p.trainable])
+    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-5, rtol=1e-5)
+    for a, c in zip(got[True][2], got[False][2], strict=True):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+    logp, _ = p.forward(b, masked=True)
+    assert not logp[b["mask"] == 0].any()  # 0 off the mask, which every loss masks out
