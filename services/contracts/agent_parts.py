@@ -132,11 +132,17 @@ class EmbeddedConfig(DeviceConfig):
 
 
 class TrainerConfig(DeviceConfig):
-    """The trainer: its device and precision, and activation checkpointing (torch backend)."""
+    """The trainer: its device and precision, activation checkpointing and micro-batches (torch backend)."""
 
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the "
                                          "backward pass instead of keeping them: less activation memory, "
                                          "about one more forward of compute")
+    micro_batch_size: int | None = Field(None, ge=0, description="rows per forward + backward pass (torch "
+                                         "backend): each minibatch runs in micro-batches of this many rows, each "
+                                         "loss weighted by its share of the minibatch, the gradients accumulated "
+                                         "into the minibatch's one optimizer step (the same update, with one "
+                                         "micro-batch's activations and logits in memory at a time); null or 0: "
+                                         "the whole minibatch in one pass")
 
 
 class LoraConfig(Strict):

@@ -128,10 +128,10 @@ class AgentConfig(Strict):
 
     @model_validator(mode="after")
     def _torch_only_parts(self) -> AgentConfig:
-        if self.lora is not None and self.backend != "torch":
-            raise ValueError(f"lora needs backend 'torch' (backend is {self.backend!r})")
-        if self.algorithm.baseline == "value" and self.backend != "torch":
-            raise ValueError(f"algorithm.baseline: 'value' needs backend 'torch' (backend is {self.backend!r})")
+        used = {"lora": self.lora is not None, "algorithm.baseline: 'value'": self.algorithm.baseline == "value",
+                "trainer.micro_batch_size": bool(self.trainer.micro_batch_size)}
+        for part in (k for k, on in used.items() if on and self.backend != "torch"):
+            raise ValueError(f"{part} needs backend 'torch' (backend is {self.backend!r})")
         if self.sft is not None and (self.algorithm.name != "sft" or self.backend != "torch"):
             raise ValueError(f"sft: a dataset trains with algorithm sft on backend torch (algorithm.name is "
                              f"{self.algorithm.name!r}, backend {self.backend!r})")

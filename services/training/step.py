@@ -5,7 +5,9 @@ no-grad proximal and reference logprobs the algorithm asks for (under ``algorith
 also the turn states' hidden states, and re-baselines the plan's advantages: value.py), then per epoch
 and minibatch:
 zero the grads, forward + loss + backward (``backward``; under bf16 autocast when ``precision``
-says so), clip (``clip_grads``), step the
+says so) of the whole minibatch, or under ``micro_batch_size`` of each micro-batch of that many of its rows,
+each loss scaled by its share so the gradients add up to the minibatch's (algorithms/micro.py; the no-grad
+passes run in the same micro-batches), clip (``clip_grads``), step the
 optimizer and the LR scheduler; it counts the version up and returns the ``train_step``
 metrics, with the step's activation, gradient and optimizer-state memory (memory.py). A backend supplies
 the model-specific parts as the hooks below.
@@ -27,7 +29,8 @@ import torch
 from services.common.devices import autocast
 from services.contracts.config import AlgorithmConfig
 from services.contracts.messages import Sample
-from services.training.algorithms import Algorithm, Stats, StepPlan, step_metrics
+from services.training.algorithms import Algorithm, Share, Stats, StepPlan, step_metrics
+from services.training.algorithms.micro import combine, micro_counts, micro_slices, shares
 from services.training.memory import ActivationMeter, memory_metrics
 from services.training.value import ValueBaseline
 
@@ -79,6 +82,7 @@ class TrainingStep(ABC):
     device: torch.device = torch.device("cpu")  # where the passes run
     precision: str = "float32"  # the agent's trainer.dtype: "bfloat16" autocasts the passes (weights stay float32)
     critic: ValueBaseline | None = None  # algorithm.baseline: value (value.py)
+    micro_batch_size: int | None = None  # trainer.micro_batch_size: rows per pass (None, 0: the whole minibatch)
     _meter: ActivationMeter | None = None
 
     def rows(self, minibatch: list[int]) -> list[int]:
@@ -91,8 +95,37 @@ class TrainingStep(ABC):
 
     @abstractmethod
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
-                 ref: torch.Tensor | None) -> Stats:
-        """Forward with grad, the algorithm's loss on ``rows`` of the plan, backward; return the loss stats."""
+                 ref: torch.Tensor | None, share: Share = Share()) -> Stats:
+        """Forward with grad, the algorithm's loss on ``rows`` of the plan (scaled by ``share``: ``LossInputs``),
+        backward; return the loss stats."""
+
+    def micro(self, n: int) -> list[slice]:
+        """The micro-batches of a minibatch of ``n`` rows (one of them all without ``micro_batch_size``)."""
+        return micro_slices(self.algo, n, self.micro_batch_size)
+
+    def chunked_logprobs(self, batch: Tensors, reference: bool) -> torch.Tensor:
+        """``old_logprobs`` of the batch, a micro-batch at a time."""
+        pieces = self.micro(batch["input_ids"].shape[0])
+        if len(pieces) == 1:
+            return self.old_logprobs(batch, reference)
+        return torch.cat([self.old_logprobs({k: v[s] for k, v in batch.items()}, reference) for s in pieces])
+
+    def accumulate(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
+                   ref: torch.Tensor | None, meter: ActivationMeter) -> Stats:
+        """Forward + loss + backward of a minibatch, in micro-batches (rows of its padded tensors, so every
+        position and width is the minibatch's); the gradients accumulate, the stats combine (micro.py)."""
+        pieces = self.micro(len(rows))
+        if len(pieces) == 1:
+            with meter.measure():
+                return self.backward(batch, plan, rows, prox, ref)
+        counts = micro_counts(batch["mask"], plan.stale[rows].to(batch["mask"].device), pieces)
+        parts: list[Stats] = []
+        for s, share in zip(pieces, shares(counts), strict=True):
+            part = {k: v[s] for k, v in batch.items()}
+            with meter.measure():  # one micro-batch's activations live at a time
+                parts.append(self.backward(part, plan, rows[s], None if prox is None else prox[s],
+                                           None if ref is None else ref[s], share))
+        return combine(self.algo, parts, counts)
 
     def rebaseline(self, plan: StepPlan, rows: list[list[int]], batches: list[Tensors]) -> Stats:
         """Under ``algorithm.baseline: value``: the plan's advantages against the head's values, the head fitted
@@ -136,16 +169,16 @@ class TrainingStep(ABC):
                    for r in rows]  # on the device once, for every pass over them
         none: list[torch.Tensor | None] = [None] * len(batches)
         with torch.no_grad(), autocast(self.device, self.precision):
-            prox = [self.old_logprobs(b, reference=False) for b in batches] if self.algo.needs_prox(plan) else none
-            ref = [self.old_logprobs(b, reference=True) for b in batches] if self.algo.needs_reference else none
+            prox = [self.chunked_logprobs(b, False) for b in batches] if self.algo.needs_prox(plan) else none
+            ref = [self.chunked_logprobs(b, True) for b in batches] if self.algo.needs_reference else none
         value_stats = self.rebaseline(plan, rows, batches)
         parts: list[Stats] = []
         grad_norms: list[float] = []
         for epoch in range(self.cfg.epochs if batches else 0):
             for k, r in enumerate(rows):
                 self.optimizer.zero_grad(set_to_none=True)
-                with autocast(self.device, self.precision), meter.measure():
-                    stats = self.backward(batches[k], plan, r, prox[k], ref[k])
+                with autocast(self.device, self.precision):
+                    stats = self.accumulate(batches[k], plan, r, prox[k], ref[k], meter)
                 grad_norms.append(self.clip_grads())
                 check_finite(stats, grad_norms[-1], f"epoch {epoch} minibatch {k}")
                 self.optimizer.step()

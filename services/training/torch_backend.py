@@ -3,7 +3,8 @@
 Holds the policy (optionally LoRA adapters on a frozen base), a frozen reference when
 the algorithm needs one, AdamW and the LR scheduler; trains one batch per
 ``train_step`` with the configured algorithm (``services.training.algorithms``; activation checkpointing
-by ``trainer.gradient_checkpointing``),
+by ``trainer.gradient_checkpointing``, micro-batches of ``trainer.micro_batch_size`` rows; the training passes
+take the logits at the loss-masked positions alone when the model can),
 writes each version as an HF directory the engines load (under LoRA: the PEFT adapter alone), and
 saves / restores the full training state for resume.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import logging
 import os
 import random
@@ -20,12 +22,13 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.devices import autocast, resolve, restore_rng, rng_states, training_precision
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
-from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
+from services.training.algorithms import Share, Stats, StepPlan, make_algorithm, make_inputs
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.schedule import lr_factor
 from services.training.step import Tensors, TrainingStep, pad_batch
@@ -40,6 +43,25 @@ log = logging.getLogger("tandem.trainer")
 def lora() -> ModuleType:
     """The LoRA helpers, imported only by agents that use LoRA (peft is slow to import)."""
     return importlib.import_module("services.training.lora")
+
+
+def keeps_logits(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the model takes a boolean ``logits_to_keep`` [B, T] (transformers' ``slice_logits_to_keep``): the
+    logits of its True positions alone, flattened to [N, V]. Asked with one 3-token forward."""
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return False
+    keep = torch.tensor([[True, False, True]], device=device)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros((1, 3), dtype=torch.long, device=device), logits_to_keep=keep)
+    except (TypeError, ValueError, IndexError, RuntimeError):
+        return False
+    return tuple(out.logits.shape[:-1]) == (2,)
+
+
+def spread(flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[1, N] values of the True positions of ``keep`` [B, T] back to [B, T], 0 elsewhere (with their gradient)."""
+    return flat.new_zeros(keep.shape).index_put((keep,), flat[0])
 
 
 def replace_dir(tmp: Path, out_dir: Path) -> None:
@@ -63,10 +85,12 @@ class TorchPolicy(TrainingStep):
         self.tokenizer = AutoTokenizer.from_pretrained(acfg.model_path)
         self.device = resolve(acfg.trainer.device, "trainer.device")
         self.precision = training_precision(self.device, acfg.trainer.dtype)
+        self.micro_batch_size = acfg.trainer.micro_batch_size
         if self.precision != acfg.trainer.dtype:
             log.warning("trainer.dtype: bfloat16 autocast is slower than float32 on a CPU without native bf16 "
                         "(AVX512-BF16/AMX); training in float32")
         base = AutoModelForCausalLM.from_pretrained(acfg.model_path, dtype=torch.float32).to(self.device)
+        self.keeps_logits = keeps_logits(base, self.device)
         if acfg.trainer.gradient_checkpointing:  # recompute each layer's activations in the backward pass
             base.config.use_cache = False
             base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -87,49 +111,62 @@ class TorchPolicy(TrainingStep):
 
     # -- forward passes ------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
-                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = (model or self.model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        logits = out.logits[:, :-1]
-        logp = token_logprobs(logits, batch["targets"], self.temperature)
-        if not entropy:
-            return logp, None
-        if self.algo.needs_entropy_grad:
-            return logp, token_entropy(logits, self.temperature)
-        with torch.no_grad():
-            return logp, token_entropy(logits.detach(), self.temperature)
+                entropy: bool = False, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs [B, T-1] of the batch's targets (and their entropy). ``masked``: the logits only at the
+        positions of the loss mask, where the model takes a boolean ``logits_to_keep`` (the vocabulary-sized
+        tensors shrink to the trained tokens); 0 at the other positions, which every loss masks out."""
+        keep = batch["mask"] > 0 if masked and self.keeps_logits else None
+        extra = {} if keep is None else {"logits_to_keep": F.pad(keep, (0, 1))}  # position t predicts target t
+        out = (model or self.model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
+        logits = out.logits[:, :-1] if keep is None else out.logits.unsqueeze(0)  # [B, T-1, V] or [1, N, V]
+        targets = batch["targets"] if keep is None else batch["targets"][keep].unsqueeze(0)
+        logp, ent = token_logprobs(logits, targets, self.temperature), None
+        if entropy and self.algo.needs_entropy_grad:
+            ent = token_entropy(logits, self.temperature)
+        elif entropy:
+            with torch.no_grad():
+                ent = token_entropy(logits.detach(), self.temperature)
+        if keep is None:
+            return logp, ent
+        return spread(logp, keep), None if ent is None else spread(ent, keep)
 
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.forward(batch)[0]
+    def logprobs(self, batch: dict[str, torch.Tensor], masked: bool = False) -> torch.Tensor:
+        return self.forward(batch, masked=masked)[0]
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def reference_logprobs(self, batch: dict[str, torch.Tensor], masked: bool = False) -> torch.Tensor:
         if self.reference is not None:
-            return self.forward(batch, self.reference)[0]
+            return self.forward(batch, self.reference, masked=masked)[0]
         with self.model.disable_adapter():  # LoRA: the frozen base is the reference
-            return self.forward(batch)[0]
+            return self.forward(batch, masked=masked)[0]
 
     # -- the hooks of the shared training step ---------------------------------------------
     def old_logprobs(self, batch: Tensors, reference: bool) -> torch.Tensor:
-        return self.reference_logprobs(batch) if reference else self.logprobs(batch)
+        return self.reference_logprobs(batch, masked=True) if reference else self.logprobs(batch, masked=True)
 
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
-                 ref: torch.Tensor | None) -> Stats:
-        logp, ent = self.forward(batch, entropy=True)
+                 ref: torch.Tensor | None, share: Share = Share()) -> Stats:
+        logp, ent = self.forward(batch, entropy=True, masked=True)
         adv = plan.advantages_for(rows, batch["mask"].shape[1]).to(self.device)
         x = make_inputs(self.cfg, logp, batch["old_logp"], batch["mask"], adv,
                         plan.stale[rows].to(self.device), prox, ref, ent)
+        x.share = share
         loss, stats = self.algo.loss(x)
         loss.backward()
         return stats
 
     @torch.no_grad()
     def state_features(self, batch: Tensors, positions: list[list[int]]) -> torch.Tensor:
-        """The value baseline's input (value.py): the last hidden state at each row's turn-state positions."""
-        with autocast(self.device, self.precision):
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=True)
-        last = out.hidden_states[-1]
-        return torch.cat([last[j, pos] for j, pos in enumerate(positions)])
+        """The value baseline's input (value.py): the last hidden state at each row's turn-state positions
+        (a micro-batch of rows at a time)."""
+        rows: list[torch.Tensor] = []
+        for s in self.micro(len(positions)):
+            with autocast(self.device, self.precision):
+                out = self.model(input_ids=batch["input_ids"][s], attention_mask=batch["attention_mask"][s],
+                                 output_hidden_states=True)
+            last = out.hidden_states[-1]
+            rows += [last[j, pos] for j, pos in enumerate(positions[s])]
+        return torch.cat(rows)
 
     def clip_grads(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))

@@ -21,7 +21,12 @@ One ``train_step(samples)`` of a backend whose weights are version ``v`` does::
 Tensors are per target token (already shifted by one: position t holds the logprob of
 token t+1 given tokens ≤ t), right-padded, ``mask`` = the sample's ``loss_mask`` shifted
 the same way; ``rollout_logp`` = the sample's ``rollout_logprobs`` shifted alike. Logprobs
-are taken at the sampling temperature (``token_logprobs`` in ``services.training.grpo``).
+are taken at the sampling temperature (``token_logprobs`` in ``services.training.grpo``); a
+backend may leave logp, entropy, prox and ref 0 off the mask (the torch backend takes the
+logits at the masked positions alone), so a loss reads them under the mask only.
+Under ``trainer.micro_batch_size`` a minibatch's rows run a few at a time (``micro.py``):
+``x.share`` scales each term by the micro-batch's share of what the term is a mean over,
+which an algorithm declares (``policy_mean``: tokens or rows; ``row_stats``, ``sum_stats``).
 ``stats`` is a flat dict of floats (``pg_loss``, ``loss``, ``kl``/``kl_loss``,
 ``entropy``/``entropy_loss``, ``clip_frac``, TIS statistics ...); the backend averages
 them over minibatches and adds ``grad_norm``, ``lr``, ``tokens_per_s`` for the
@@ -43,6 +48,7 @@ from services.contracts.config import BUILTIN_ALGORITHMS, AlgorithmConfig
 from services.training.algorithms.base import (
     Algorithm,
     LossInputs,
+    Share,
     Stats,
     StepPlan,
     kl_estimate,
@@ -113,5 +119,5 @@ def step_metrics(parts: list[Stats], samples: list[Any], plan: StepPlan, cfg: Al
     return out
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "LossInputs", "Stats", "StepPlan", "kl_estimate", "load_algorithm_class",
+__all__ = ["ALGORITHMS", "Algorithm", "LossInputs", "Share", "Stats", "StepPlan", "kl_estimate", "load_algorithm_class",
            "make_algorithm", "make_inputs", "masked_mean", "mean_stats", "step_metrics"]

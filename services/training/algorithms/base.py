@@ -54,6 +54,15 @@ class StepPlan:
         return self.token_advantages[rows, :width]
 
 
+@dataclass(frozen=True)
+class Share:
+    """A micro-batch's part of its minibatch (``trainer.micro_batch_size``): its share of the minibatch's loss
+    tokens and of its rows; the loss scales each term by the share its mean is over (1, 1: the whole minibatch)."""
+
+    tokens: float = 1.0
+    rows: float = 1.0
+
+
 @dataclass
 class LossInputs:
     """Per-minibatch tensors. B rows, T positions (targets, i.e. already shifted by one).
@@ -64,7 +73,8 @@ class LossInputs:
     truncated weight exp(old - rollout) capped at ``tis_cap`` (1 where TIS does not apply);
     advantages [B] (or [B, T] per token, algorithm.credit: turn); ref_logp: the frozen reference's
     logprobs (only if the algorithm needs it); entropy [B, T]: the policy's entropy (with grad if
-    ``entropy_coef`` > 0, else it may be None or detached); stats: TIS statistics filled by ``make_inputs``.
+    ``entropy_coef`` > 0, else it may be None or detached); stats: TIS statistics filled by ``make_inputs``;
+    share: the rows' part of their minibatch when it runs in micro-batches (``Share``).
     """
 
     logp: torch.Tensor
@@ -75,6 +85,7 @@ class LossInputs:
     ref_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     stats: Stats = field(default_factory=dict)
+    share: Share = field(default_factory=Share)
 
 
 def make_inputs(cfg: AlgorithmConfig, logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
@@ -131,6 +142,12 @@ class Algorithm:
     uses_tis: ClassVar[bool] = True          # policy-gradient losses take TIS; SFT/DPO do not
     uses_reference: ClassVar[bool] = False   # DPO needs the reference even without KL
     turn_credit: ClassVar[bool] = False      # its loss takes a per-token advantage (algorithm.credit: turn)
+    # what ``policy_loss`` is a mean over: "tokens" (the minibatch's loss tokens) or "rows" (a mean over rows, or a
+    # sum over tokens divided by rows x a constant); micro-batches weight it, and their stats, by that share
+    policy_mean: ClassVar[str] = "tokens"
+    row_stats: ClassVar[frozenset[str]] = frozenset()  # stats that are means over rows (the rest: over tokens)
+    sum_stats: ClassVar[frozenset[str]] = frozenset()  # stats that are counts (summed over micro-batches)
+    row_group: ClassVar[int] = 1                       # a micro-batch holds whole groups of this many rows
 
     def __init__(self, cfg: AlgorithmConfig) -> None:
         self.cfg = cfg
@@ -180,21 +197,24 @@ class Algorithm:
         raise NotImplementedError(f"{type(self).__name__} must implement policy_loss")
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
-        """policy_loss + kl_coef * KL(pi || ref) - entropy_coef * entropy; stats name every term."""
+        """policy_loss + kl_coef * KL(pi || ref) - entropy_coef * entropy; stats name every term. In a micro-batch
+        each term is scaled by the share of the minibatch its mean is over (``x.share``), and ``loss`` is its part
+        of the minibatch's loss, so the micro-batches' gradients and losses add up to the minibatch's."""
         policy, stats = self.policy_loss(x)
-        total = policy
+        tokens = x.share.tokens
+        total = policy * (x.share.rows if self.policy_mean == "rows" else tokens)
         stats = {"pg_loss": float(policy.detach()), **stats, **x.stats}
         if x.ref_logp is not None:
             kl = masked_mean(kl_estimate(x.logp, x.ref_logp.detach(), self.cfg.kl_estimator), x.mask)
             stats["kl"] = float(kl.detach())
             if self.cfg.kl_coef > 0:
-                total = total + self.cfg.kl_coef * kl
+                total = total + self.cfg.kl_coef * tokens * kl
                 stats["kl_loss"] = float(self.cfg.kl_coef * kl.detach())
         if x.entropy is not None:
             ent = masked_mean(x.entropy, x.mask)
             stats["entropy"] = float(ent.detach())
             if self.cfg.entropy_coef > 0:
-                total = total - self.cfg.entropy_coef * ent
+                total = total - self.cfg.entropy_coef * tokens * ent
                 stats["entropy_loss"] = float(-self.cfg.entropy_coef * ent.detach())
         stats["loss"] = float(total.detach())
         return total, stats

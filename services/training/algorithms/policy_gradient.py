@@ -61,6 +61,7 @@ class DrGRPO(Algorithm):
 
     name = "dr_grpo"
     turn_credit = True
+    policy_mean = "rows"
 
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         return group_advantages([s.reward for s in samples], [s.group_id for s in samples], normalize_std=False)
@@ -123,6 +124,8 @@ class GSPO(Algorithm):
     """
 
     name = "gspo"
+    policy_mean = "rows"
+    row_stats = frozenset({"clip_frac", "ratio_mean"})
 
     def policy_loss(self, x: LossInputs) -> tuple[torch.Tensor, Stats]:
         lengths = x.mask.sum(-1).clamp(min=1.0)

@@ -57,6 +57,10 @@ class DPO(Algorithm):
     name = "dpo"
     uses_tis = False
     uses_reference = True
+    policy_mean = "rows"  # a mean over pairs, and a micro-batch holds whole pairs
+    row_stats = frozenset({"dpo_margin", "dpo_accuracy"})
+    sum_stats = frozenset({"dpo_pairs"})
+    row_group = 2
 
     def select(self, samples: list[Sample]) -> list[Sample]:
         return [s for pair in best_worst_pairs(samples) for s in pair]

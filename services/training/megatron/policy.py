@@ -32,7 +32,7 @@ from services.common.devices import resolve, restore_rng, rng_states
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.contracts.messages import Sample
-from services.training.algorithms import Stats, StepPlan, make_algorithm, make_inputs
+from services.training.algorithms import Share, Stats, StepPlan, make_algorithm, make_inputs
 from services.training.grpo import token_entropy, token_logprobs
 from services.training.megatron.layout import check_layout
 from services.training.megatron.model import arch_of, build_model, init_parallel
@@ -245,13 +245,14 @@ class MegatronPolicy(TrainingStep):
         return self.logprobs(batch, self.reference if reference else None)
 
     def backward(self, batch: Tensors, plan: StepPlan, rows: list[int], prox: torch.Tensor | None,
-                 ref: torch.Tensor | None) -> Stats:
+                 ref: torch.Tensor | None, share: Share = Share()) -> Stats:
         def loss_fn(logits: torch.Tensor, logp: torch.Tensor) -> Any:
             ent = token_entropy(logits if self.algo.needs_entropy_grad else logits.detach(), self.temperature)
             dev = logp.device
             x = make_inputs(self.cfg, logp, batch["old_logp"].to(dev), batch["mask"].to(dev),
                             plan.advantages_for(rows, batch["mask"].shape[1]).to(dev), plan.stale[rows].to(dev),
                             None if prox is None else prox.to(dev), None if ref is None else ref.to(dev), ent)
+            x.share = share
             return self.algo.loss(x)
 
         return self._average(self._last_stage_result(self._run(batch, loss_fn, self.model, False)))
