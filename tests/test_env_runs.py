@@ -35,7 +35,8 @@ RUN_ELSEWHERE = {"support_desk": "tests/test_three_agents_e2e.py", "tool_relay":
                  "pipeline_demo": "tests/test_pipeline.py",
                  # the sweep's set-ups: the demo, self-play and pool configs with one budget (those three run here)
                  "compare_cotrain": "demo", "compare_selfplay": "tictactoe_selfplay", "compare_pool": "tictactoe_pool",
-                 "answer_demo": "answer_then_answer"}  # the same environment and agents, other parameters
+                 "answer_demo": "answer_then_answer",  # the same environment and agents, other parameters
+                 "llm_twenty_questions": "twenty_questions"}  # its LoRA agents' path runs in llm_answer
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE)
 
 
