@@ -12,6 +12,7 @@ from services.launcher.cli import build_parser
 from services.launcher.live_view import LIVE_COLUMNS, LogEcho, eval_table, new_evals, status_table
 from services.launcher.processes import ProcessGroup, child_env
 from services.launcher.progress import Progress
+from services.launcher.up import browser_url
 
 
 def report(score: float, se: float, illegal: float, wins: int, missed_wins: float, missed_blocks: float) -> dict:
@@ -97,6 +98,7 @@ def test_each_evaluation_prints_once_as_a_small_table() -> None:
 
 def test_verbose_is_accepted_and_logs_land_in_the_run_directory(tmp_path: Path) -> None:
     assert build_parser().parse_args(["up", "c.yaml", "--verbose"]).verbose
+    assert browser_url("0.0.0.0", 8900) == "http://127.0.0.1:8900" == browser_url("127.0.0.1", 8900)  # first line
     assert not build_parser().parse_args(["up", "c.yaml"]).verbose
     code = ("import sys; print('06:30:01 INFO tandem.rollout: engine up'); "
             "print('06:30:02 WARNING tandem.rollout: slow reply'); "
