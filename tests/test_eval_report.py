@@ -28,6 +28,7 @@ from services.envs.guess_number import GuessNumber
 from services.envs.registry import check_environment_config
 from services.envs.tictactoe import TicTacToe, best_moves
 from services.inference.generator import Engine
+from services.launcher.live_view import eval_table
 from services.launcher.up import status_table
 from services.play.episode import EpisodeResult
 from services.play.evaluation import evaluate_against, fmt_report, mean_se, score, summary_means, wilson
@@ -188,7 +189,8 @@ def test_training_illegal_rate_in_status_metrics_summary_and_live_view(redis_url
     status["evals"] = [{"label": "start", "vs": {"A": {"random": {"score": 0.5, "score_se": 0.1,
                                                                   "illegal_rate": 0.25}}}}]
     table = status_table(status)
-    assert "illegal" in [c.header for c in table.columns] and "A vs random 0.500 ± 0.100" in str(table.caption)
+    assert "illegal" in [c.header for c in table.columns] and table.columns[-1]._cells[0] == "vs random 0.50"
+    assert ["A", "random", "0.500 ± 0.100", "0.25"] == [c._cells[0] for c in eval_table(status["evals"][0]).columns]
 
     path = write_report(restored.state, [], cfg.run_dir(), 1.0)
     summary = json.loads(path.read_text())

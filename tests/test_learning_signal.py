@@ -18,7 +18,7 @@ from services.common.embedded_redis import free_port
 from services.contracts.config import parse_config
 from services.contracts.messages import Sample
 from services.coordinator.learning_signal import SignalWatch, no_signal_streak, signal_status
-from services.launcher.up import signal_cell
+from services.launcher.live_view import status_table
 from services.training.signal import learning_signal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,11 @@ def test_the_first_step_without_signal_is_warned_of_and_the_limit_stops_the_run(
     assert "agents.A.max_no_signal_steps=3" in state.error
     assert signal_status(agent.train_steps) == {"zero_variance_groups": 1.0, "malformed_rate": 1.0,
                                                 "no_signal_steps": 3}
-    assert signal_cell(signal_status(agent.train_steps)) == "zv 1.00 bad 1.00 [red]none x3[/red]"
+    live = {"run": "r", "phase": "training", "total_steps": 6, "episodes_per_s": 0.0, "agents": {"A": {
+        "step": 6, "weight_version": 6, "recent_group_reward": None, "signal": signal_status(agent.train_steps)}}}
+    table = status_table(live)  # the live view: malformed and zero-var 1.00, the streak in red under the table
+    assert [c._cells[0] for c in table.columns if c.header in ("malformed", "zero-var")] == ["1.00", "1.00"]
+    assert "[red]A: no learning signal in 3 steps in a row[/red]" in str(table.caption)
     assert signal_status([]) == {"zero_variance_groups": None, "malformed_rate": None, "no_signal_steps": 0}
     never = SimpleNamespace(agents={"A": agent}, error=None, stop_requested=False)
     SignalWatch(cfg(0)).check(never, "A")  # type: ignore[arg-type]  # 0: never stop

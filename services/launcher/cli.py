@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "run live, and write its report under run.output_dir/<run.name>.")
     p_up.add_argument("config", help=CONFIG_HELP)
     add_set_argument(p_up)
+    p_up.add_argument("--verbose", action="store_true",
+                      help="stream every service's log lines to the terminal (they always go to "
+                           "run.output_dir/<run.name>/logs/; without it only warnings and errors show)")
     state = p_up.add_mutually_exclusive_group()
     state.add_argument("--resume", action="store_true",
                        help="continue a stopped, crashed or interrupted run from its Redis data and checkpoints")
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config_path = args.config if data is None else write_effective(cfg, data, source)
     try:
-        code = up(cfg, config_path, resume=args.resume, fresh=args.fresh)
+        code = up(cfg, config_path, resume=args.resume, fresh=args.fresh, verbose=args.verbose)
     except run_lock.RunIsLive as exc:  # another launcher took the run since the check
         print(str(exc), file=sys.stderr)
         code = run_lock.RUN_IS_LIVE

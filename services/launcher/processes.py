@@ -1,8 +1,9 @@
 """Child processes of the local launcher: start, prefix their logs, supervise, restart, stop.
 
 Every child gets the parent-death signal (Linux), so none outlives the launcher, even one killed
-by SIGKILL; each child's output goes to ``runs/<run>/logs/<name>.log`` and, prefixed with its
-name, to the console. ``ProcessGroup.supervise`` restarts a child that exited unexpectedly (a
+by SIGKILL; each child's output goes to ``runs/<run>/logs/<name>.log`` and, line by line, to the
+launcher's ``echo`` (services/launcher/live_view.py: every line with ``--verbose``, else warnings and errors).
+``ProcessGroup.supervise`` restarts a child that exited unexpectedly (a
 non-zero exit code or a signal: services exit 0 only when told to stop; 2, a bad config, and 3,
 a run that failed for good, are never restarted) in place, with
 exponential backoff, as long as the ``RestartBudget`` allows: at most ``max_restarts`` restarts

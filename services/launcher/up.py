@@ -3,7 +3,8 @@
 Order: Redis (embedded unless the config names one; its AOF under ``runs/<run>/redis``) → per
 agent the rollout (which starts the agent's real SGLang router and engines itself) → the
 coordinator → per trained agent the buffer and trainer (a new run's once its first turn is played:
-services/launcher/deferred.py). It shows progress from the coordinator's ``/v1/status`` and supervises
+services/launcher/deferred.py). It prints the dashboard's address first, then shows the live view
+(services/launcher/live_view.py) from the coordinator's ``/v1/status`` and supervises
 every child and the embedded Redis: one that dies is restarted in place within the restart budget
 (``run.max_restarts`` in ``run.restart_window_s``), the count goes to the live view, the Redis hash
 ``state:restarts`` and ``summary.json``; past the budget the run stops naming the service and saying that
@@ -28,7 +29,6 @@ import httpx
 import redis as redis_lib
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
 from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
@@ -38,6 +38,7 @@ from services.contracts.streams import Streams
 from services.launcher import run_lock
 from services.launcher.deferred import AfterFirstTurn
 from services.launcher.disk import DiskWatch
+from services.launcher.live_view import LogEcho, eval_table, new_evals, status_table, summary_table
 from services.launcher.processes import (
     LOST_EPISODES,
     ProcessGroup,
@@ -47,67 +48,11 @@ from services.launcher.processes import (
     child_env,
     python_module,
 )
-from services.launcher.progress import Progress, fmt_duration
-from services.launcher.restarts import EngineRestarts, RestartLedger, silent_engines
-from services.play.evaluation import fmt_report
+from services.launcher.progress import Progress
+from services.launcher.restarts import EngineRestarts, RestartLedger
 
 log = logging.getLogger("tandem.launcher")
 DISK_CHECK_S = 5.0  # how often the launcher looks for a full disk
-
-
-def status_table(status: dict | None, restarts: dict[str, int] | None = None,
-                 progress: Progress | None = None) -> Table:
-    progress = progress or Progress()
-    eta = fmt_duration(progress.run_eta_s(status)) if status else "-"
-    restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n)
-    caption = [f"restarts: {restarted}"] if restarted else []
-    caption += [latest_eval(status)] if status and status.get("evals") else []
-    caption += [f"[red]{line}[/red]" for line in silent_engines(status)]
-    table = Table(title=f"Tandem run {status.get('run') if status else ''} — "
-                        f"{status.get('phase') if status else 'starting'} — ETA {eta}",
-                  caption="\n".join(caption) or None)
-    for col in ("agent", "step", "steps/min", "ETA", "weight version", "mean reward", "illegal", "signal",
-                "eval start", "eval end", "episodes/s"):
-        table.add_column(col)
-    if status:
-        for name, a in status["agents"].items():
-            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-            rate = progress.steps_per_min(name)
-            table.add_row(name, f"{a['step']}/{status['total_steps']}", "-" if rate is None else f"{rate:.2f}",
-                          fmt_duration(progress.eta_s(name, a["step"], status["total_steps"])),
-                          str(a["weight_version"]), fmt(a["recent_group_reward"]), fmt(a.get("illegal_rate")),
-                          signal_cell(a.get("signal") or {}), fmt(a["eval_start"]),
-                          fmt(a["eval_end"]), f"{status['episodes_per_s']:.2f}")
-    return table
-
-
-def signal_cell(signal: dict) -> str:
-    """The last step's learning signal: zero-variance groups / malformed samples, and a streak without signal."""
-    zero, bad, none = signal.get("zero_variance_groups"), signal.get("malformed_rate"), signal.get("no_signal_steps")
-    if zero is None:
-        return "-"
-    return f"zv {zero:.2f} bad {bad or 0.0:.2f}" + (f" [red]none x{none}[/red]" if none else "")
-
-
-def latest_eval(status: dict) -> str:
-    """The newest evaluation, one ``agent vs opponent score ± se (illegal rate)`` per pair."""
-    ev = status["evals"][-1]
-    parts = [f"{agent} vs {opponent} {fmt_report(r)}" for agent, vs in (ev.get("vs") or {}).items()
-             for opponent, r in vs.items() if r.get("score") is not None]
-    return f"eval {ev.get('label')}: " + ("; ".join(parts) or "-")
-
-
-def summary_table(summary: dict) -> Table:
-    table = Table(title=f"Tandem run {summary['run']} — {summary['phase']} in {summary['wall_s']}s")
-    cols = ("weight_versions", "steps", "reward_first_quarter", "reward_last_quarter", "train_illegal_rate",
-            "eval_start", "eval_end")
-    table.add_column("agent")
-    for c in cols:
-        table.add_column(c)
-    for name, a in summary["agents"].items():
-        table.add_row(name, *("-" if a.get(c) is None else (f"{a[c]:.3f}" if isinstance(a[c], float) else str(a[c]))
-                              for c in cols))
-    return table
 
 
 def trainer_command(acfg: AgentConfig, base: list[str]) -> list[str]:
@@ -206,10 +151,17 @@ class RedisProcess(Supervised):
         self.idle.wait(timeout)
 
 
+def browser_url(host: str, port: int) -> str:
+    """The address a browser on this machine opens (a wildcard bind answers on loopback)."""
+    return f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+
+
 def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resume: bool = False,
-       fresh: bool = False) -> int:
+       fresh: bool = False, verbose: bool = False) -> int:
     """Run the experiment: new (no earlier state; preflight checked), ``fresh`` (the earlier state is wiped
-    first) or ``resume`` (the run's Redis AOF, checkpoints and directory are kept and the services go on)."""
+    first) or ``resume`` (the run's Redis AOF, checkpoints and directory are kept and the services go on).
+    The services' logs go to ``runs/<run>/logs/``; ``verbose`` streams them to the console too (else only
+    their warnings and errors show there, beside the live view)."""
     console = console or Console()
     run_dir = cfg.run_dir()
     run_lock.acquire(cfg, config_path)  # one run, one stack: RunIsLive names a live launcher (run_lock.py)
@@ -219,14 +171,13 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
     if fresh:
         wipe_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = threading.Lock()
-
-    def echo(name: str, line: str) -> None:
-        if " INFO " in line and "uvicorn" in line:
-            return
-        with lock:
-            console.print(f"[dim]{name:>13}[/dim] │ {line}", markup=True, highlight=False, soft_wrap=True)
-
+    api_port = cfg.api.port or free_port()
+    console.print(f"dashboard: {browser_url(cfg.api.host, api_port)}/ (answers once the services are up)",
+                  soft_wrap=True)
+    console.print(f"logs: {run_dir / 'logs'}/<service>.log; "
+                  + ("streamed here (--verbose)" if verbose else "warnings and errors shown here (--verbose: all)"),
+                  soft_wrap=True, highlight=False)
+    echo = LogEcho(console, verbose)
     redis = None
     env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir)}  # weights signing: by environment, not Redis
     redis_url = cfg.redis_url
@@ -236,7 +187,6 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
         env["TANDEM_REDIS_URL"] = redis_url = redis.url
         console.print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; data in {run_dir / 'redis'})"
                       + (", resumed from its AOF" if resume else ""))
-    api_port = cfg.api.port or free_port()
     ledger = RestartLedger(redis_url, cfg.run.name)
     engines = EngineRestarts(ledger)
     group = ProcessGroup(run_dir / "logs", child_env(env), echo,
@@ -318,6 +268,7 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "", engi
     last_print = 0.0
     started = time.time()
     announced, disk_checked = False, 0.0
+    evals_shown: set[tuple[str, float]] = set()
     with Live(status_table(None), console=console, auto_refresh=False,
               transient=False) if console.is_terminal else _NoLive() as live:
         while True:
@@ -335,9 +286,11 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "", engi
             try:
                 status = httpx.get(f"{api}/v1/status", timeout=2.0, headers=bearer(token)).json()
                 if not announced:
-                    console.print(f"control API at {api} (docs at {api}/docs) — all services up in "
-                                  f"{time.time() - started:.0f}s")
+                    console.print(f"all services up in {time.time() - started:.0f}s: dashboard at {api}/, control "
+                                  f"API docs at {api}/docs", soft_wrap=True)
                     announced = True
+                for ev in new_evals(status, evals_shown):
+                    console.print(eval_table(ev))
                 progress.update(status)
                 if engines is not None:
                     engines.update(status)
