@@ -28,7 +28,7 @@ UPLOT_VERSION ?= 1.6.32
 DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install install-run run run-llm test test-fast bench lint clean browser dashboard-assets cookbook-venv \
+.PHONY: install install-run run run-llm test test-fast test-unit bench lint clean browser dashboard-assets cookbook-venv \
 	docs docs-gen wheelhouse docker-engine docker-base docker-redis images test-compose
 
 install: $(VENV)/.installed
@@ -100,6 +100,10 @@ docs-gen: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_compose_run.py
+
+# the in-process tests alone (no Redis, engine, router or child process): about a minute on 2 cores
+test-unit: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m unit --ignore=tests/test_compose_run.py
 
 bench: install
 	$(PY) tests/bench/run_benchmarks.py

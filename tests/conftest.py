@@ -34,6 +34,33 @@ from services.common.embedded_redis import EmbeddedRedis  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO = Path(__file__).resolve().parents[1]
+# Tests by cost: ``e2e`` (marked ``slow``: a whole ``tandem up``, compose, the browser), ``integration`` (a real
+# Redis, engine, router, HTTP server or child process: the fixtures below or a module listed here, the modules
+# whose tests start one, as measured with --durations) and ``unit`` (the rest: in process, no network).
+REDIS_FIXTURES = frozenset({"redis_server", "redis_url"})
+INTEGRATION_MODULES = frozenset({
+    "test_adapter_sync", "test_bus", "test_collect", "test_dashboard", "test_deploy_files", "test_embedded_redis",
+    "test_engine_long_step", "test_env_runs", "test_health", "test_import_rules", "test_info", "test_launcher",
+    "test_launcher_supervision", "test_players", "test_redis_faults", "test_rollout_fleet", "test_router",
+    "test_services", "test_sft_file", "test_slow_engine", "test_tinker_api", "test_tinker_auth",
+    "test_tinker_durable", "test_tinker_lifetimes", "test_tinker_model_names", "test_tinker_never_hang",
+    "test_tinker_weights_out", "test_tools", "test_trainer_torch", "test_turn_batching", "test_weights_auth"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test ``unit``, ``integration`` or ``e2e`` by what it starts (``make test-unit`` runs the first)."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("integration"):
+            continue  # marked by its own module or test
+        elif REDIS_FIXTURES & set(getattr(item, "fixturenames", ())) or module in INTEGRATION_MODULES:
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
 # what the warm start's weights depend on: its code, the code it plays with, and the library versions
 WARM_SOURCES = ("services/demo", "services/envs", "services/play", "services/inference", "services/contracts")
 WARM_ARGS = {"seed": 0, "games": 600, "epochs": 4}

@@ -282,6 +282,7 @@ def test_math_critic_revision_and_unparseable_verdict() -> None:
     assert result.rewards == {"solver": 1.0, "critic": -0.5}
 
 
+@pytest.mark.integration  # the sandbox runs each program in a child process
 def test_code_sandbox_grades_programs() -> None:
     env = Code({}, 1)
     assert step(env, env.task.reference).rewards == {"solver": 1.0}
