@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.contracts.messages import GenerateReply, GenerateRequest, SamplingParams
 from services.contracts.players import AgentPlayer, Player
 from services.envs.registry import load_environment
-from services.envs.tools.base import Limits, Tool, ToolBox, ToolCall, ToolParams, load_tool
+from services.envs.tools.base import Limits, ToolBox, ToolCall, ToolParams, load_tool
 from services.envs.tools.calculator import evaluate
 from services.envs.tools.calls import ToolCallError, parse_tool_call
 from services.envs.tools.repl import can_confine
@@ -267,20 +267,8 @@ def test_tool_relay_rules_with_scripted_players() -> None:
     assert all(m == 0 for m in model.views["buyer"].loss_mask[:-6])
 
 
-class Slow(Tool):
-    """A plug-in tool (loaded as tests.test_tools:Slow) that sleeps as long as it is told."""
-
-    name = "slow"
-    description = "Sleep."
-    parameters = {"type": "object", "properties": {"seconds": {"type": "number"}}}
-
-    async def call(self, arguments: dict[str, Any]) -> str:
-        await asyncio.sleep(float(arguments.get("seconds", 0)))
-        return "awake"
-
-
 async def test_a_plug_in_tool_and_the_time_limit_per_call() -> None:
-    box = ToolBox(("tests.test_tools:Slow",), Limits(seconds=0.5))
+    box = ToolBox(("plugin_tool:Slow",), Limits(seconds=0.5))
     try:
         assert await run(box, "CALL slow 0") == ("awake", False)
         result, error = await run(box, 'CALL slow {"seconds": 5}')
