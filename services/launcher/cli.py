@@ -138,41 +138,37 @@ def init_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["serve", "export"] or (argv[:1] in (["serve"], ["eval"]) and not {"-h", "--help"} & set(argv[1:])):
-        pass_through(argv)
-    args = parser.parse_args(argv)
+def info_command(as_json: bool) -> None:
+    import json
+
+    from services.launcher.info import gather, render
+
+    info = gather()
+    print(json.dumps(info, indent=1) if as_json else render(info))
+
+
+def tool_command(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """The commands other than up and validate: their exit code (None: 0)."""
     if args.command == "envs":
         from services.envs.registry import describe_environments
 
         print(describe_environments())
-        return
+        return None
     if args.command == "collect":
         from services.play.collect import main as collect_main
 
         return collect_main(argv[1:])
-    if args.command == "sft":
-        raise SystemExit(sft_command(args))
-    if args.command == "pipeline":
-        raise SystemExit(pipeline_command(args))
     if args.command == "info":
-        import json
-
-        from services.launcher.info import gather, render
-
-        info = gather()
-        print(json.dumps(info, indent=1) if args.json else render(info))
-        return
-    if args.command in ("runs", "compare"):
-        raise SystemExit(run_command(args))
-    if args.command == "sweep":
-        raise SystemExit(sweep_command(args))
+        return info_command(args.json)
     if args.command == "init-demo":
         return init_demo(args.out_dir, args.force, args.task)
-    if args.command == "init-model":
-        raise SystemExit(init_model(args))
+    commands = {"sft": sft_command, "pipeline": pipeline_command, "runs": run_command, "compare": run_command,
+                "sweep": sweep_command, "init-model": init_model}
+    raise SystemExit(commands[args.command](args))
+
+
+def up_command(args: argparse.Namespace) -> int:
+    """``tandem up`` or ``tandem validate``: the config checked (exit 2 naming the field), then the run."""
     mode = "validate" if args.command == "validate" else (
         "resume" if args.resume else "fresh" if args.fresh else "new")
     source = " ".join([args.config, *(f"--set {s}" for s in args.set)])
@@ -183,21 +179,37 @@ def main(argv: list[str] | None = None) -> None:
         preflight(cfg, source, mode)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     except run_lock.RunIsLive as exc:
         print(str(exc), file=sys.stderr)
-        raise SystemExit(run_lock.RUN_IS_LIVE) from None
+        return run_lock.RUN_IS_LIVE
     if args.command == "validate":
         print(f"{source}: ok ({len(cfg.agents)} agents, environment {cfg.environment.name})")
-        return
+        return 0
     from services.launcher.up import up
 
     config_path = args.config if data is None else write_effective(cfg, data, source)
     try:
-        code = up(cfg, config_path, resume=args.resume, fresh=args.fresh, verbose=args.verbose)
+        return up(cfg, config_path, resume=args.resume, fresh=args.fresh, verbose=args.verbose)
     except run_lock.RunIsLive as exc:  # another launcher took the run since the check
         print(str(exc), file=sys.stderr)
-        code = run_lock.RUN_IS_LIVE
+        return run_lock.RUN_IS_LIVE
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["serve", "export"] or (argv[:1] in (["serve"], ["eval"]) and not {"-h", "--help"} & set(argv[1:])):
+        pass_through(argv)
+    args = parser.parse_args(argv)
+    if args.command not in ("up", "validate"):
+        code = tool_command(args, argv)
+        if code:
+            raise SystemExit(code)
+        return
+    code = up_command(args)
+    if args.command == "validate" and code == 0:
+        return
     raise SystemExit(code)
 
 
