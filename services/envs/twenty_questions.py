@@ -55,11 +55,24 @@ _ROWS = {  # object: attributes that are true; every other attribute is false
     "boat": {"big", "swims"},
     "kite": {"flies", "red"},
     "submarine": {"metal", "big", "swims", "electric"},
+    "cow": {"alive", "animal", "big"},
+    "duck": {"alive", "animal", "flies", "swims"},
+    "frog": {"alive", "animal", "wild", "swims"},
+    "elephant": {"alive", "animal", "wild", "big"},
+    "rose": {"alive", "red"},
+    "tree": {"alive", "big"},
+    "bread": {"edible"},
+    "plane": {"metal", "big", "flies"},
+    "truck": {"metal", "big"},
+    "drone": {"metal", "flies", "electric"},
+    "lamp": {"electric"},
+    "chair": set(),
 }
 TABLE: dict[str, dict[str, bool]] = {o: {a: a in s for a in ATTRIBUTES} for o, s in _ROWS.items()}
 QUESTION = re.compile(r"\bis it (?:an? |the )?([a-z]+)", re.IGNORECASE)
 ALIASES = {"fly": "flies", "flying": "flies", "swim": "swims", "swimming": "swims", "living": "alive",
            "metallic": "metal", "large": "big", "animals": "animal"}  # other forms of an attribute
+NEXT = "Ask your next question, or guess."  # ends every note to the asker
 KNOWN = frozenset(ATTRIBUTES) | frozenset(TABLE)
 
 
@@ -85,6 +98,13 @@ def yes_no(reply: str) -> bool | None:
     return None if said is None else said == "yes"
 
 
+def splitting_attribute(objects: list[str]) -> str | None:
+    """The attribute that splits ``objects`` most evenly (the first by name among equals); None when none
+    separates them."""
+    split = min(ATTRIBUTES, key=lambda a: (abs(sum(TABLE[o][a] for o in objects) * 2 - len(objects)), a))
+    return None if sum(TABLE[o][split] for o in objects) in (0, len(objects)) else split
+
+
 def secrets(held_out: float, split: str) -> list[str]:
     """The objects hidden in ``split``'s episodes: all of them, or with ``held_out`` those held out (``eval``)
     or the rest (``train``)."""
@@ -97,6 +117,10 @@ class TwentyQuestionsParams(ChatParams, HeldOutParams):
     question_cost: float = Field(0.02, ge=0.0, le=1.0, description="asker, per question")
     truth_reward: float = Field(0.1, ge=0.0, le=10.0, description="answerer, + per true answer, - per lie")
     format_penalty: float = Field(0.2, ge=0.0, le=10.0)
+    choices: int = Field(0, ge=0, le=len(TABLE), description="objects the asker is told the secret is among, "
+                         "drawn per episode from the split's objects (the secret one of them); 0: every object")
+    clue: bool = Field(False, description="the answerer first answers the question that best splits the objects, "
+                       "asked by the environment; the asker sees the answer and starts with it (costs no question)")
 
     def check_splits(self) -> None:
         for split in ("train", "eval"):
@@ -112,7 +136,8 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         "halving": ("asker",), "truthful": ("answerer",), "liar": ("answerer",)}
 
     env_name: ClassVar[str] = "twenty_questions"
-    summary_measures: ClassVar[tuple[str, ...] | None] = ("found", "questions", "truthful", "lies", "malformed")
+    summary_measures: ClassVar[tuple[str, ...] | None] = ("found", "questions", "truthful", "lies", "malformed",
+                                                                  "repeats")
     default_system: ClassVar[dict[str, str]] = {
         "asker": ("We play twenty questions. I am thinking of one of these objects: " + ", ".join(sorted(TABLE))
                   + ". Find it by asking yes/no questions about these attributes: " + ", ".join(ATTRIBUTES)
@@ -125,16 +150,40 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
 
     def __init__(self, params: dict[str, Any] | EnvParams, seed: int) -> None:
         super().__init__(params, seed)
-        self.secret = self.rng.choice(secrets(self.params.held_out, self.params.split))
+        objects = secrets(self.params.held_out, self.params.split)
+        self.secret = self.rng.choice(objects)
+        self.choices = self._draw_choices(objects) if self.params.choices else sorted(TABLE)
         self.to_act = "asker"
         self.questions = 0
         self.pending: str | None = None  # the attribute the answerer is asked about
-        self.asker_note = ("20Q. Ask 'is it X?' with X an attribute (" + " ".join(ATTRIBUTES) + ") or object ("
-                           + " ".join(sorted(TABLE)) + ").")
-        self.answerer_note = f"Secret: {self.secret}. Answer yes or no."
-        self.candidates = sorted(TABLE)  # what truthful answers so far allow (scripted asker)
+        self.intro = f"Objects: {', '.join(self.choices)}."
+        self.asker_note = f"{self.intro} Ask your first question, like 'Is it alive?' or 'Is it a {self.choices[0]}?'."
+        self.answerer_note = f"The secret object is: {self.secret}."
+        self.candidates = sorted(self.choices)  # what truthful answers so far allow (scripted asker)
         self.found = False
-        self.truthful = self.lies = self.malformed = 0
+        self.truthful = self.lies = self.malformed = self.repeats = 0
+        self.asked: set[str] = set()  # the attributes and objects asked about so far
+        self.clue = self.params.clue and splitting_attribute(self.candidates)  # asked before the asker's first turn
+        if self.clue:
+            self.pending, self.to_act = self.clue, "answerer"
+            self.answerer_note += f" Question: Is it {self.clue}? Answer yes or no."
+
+    def _draw_choices(self, objects: list[str]) -> list[str]:
+        """``choices`` objects of the split (all of them when it holds fewer), the secret among them, shuffled."""
+        others = [o for o in objects if o != self.secret]
+        drawn = self.rng.sample(others, min(self.params.choices, len(objects)) - 1) + [self.secret]
+        self.rng.shuffle(drawn)
+        return drawn
+
+    def default_system_prompt(self, role: str) -> str:
+        """The asker's names this episode's objects when ``choices`` draws them."""
+        if role != "asker" or not self.params.choices:
+            return super().default_system_prompt(role)
+        return ("We play twenty questions. I am thinking of one of these objects: " + ", ".join(self.choices)
+                + ". Find it by asking yes/no questions about these attributes: " + ", ".join(ATTRIBUTES)
+                + ". Each reply must be one short question of the form 'Is it <word>?', where <word> is one "
+                "attribute or, to guess, one of the objects. Example: 'Is it alive?' or 'Is it a "
+                + self.choices[0] + "?'. Write nothing else.")
 
     def current_role(self) -> str:
         return self.to_act
@@ -144,6 +193,9 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         return note
 
     def _asked(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
+        if self.clue:  # the environment's clue costs the asker no question
+            self.asker_note, self.clue = f"{self.intro} A clue: {self.asker_note}", None
+            return self.turn_result(turn, info)
         self.questions += 1
         return self.turn_result(turn, info, out_of_turns=self.questions >= self.params.max_questions)
 
@@ -156,32 +208,36 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
             self.to_act = "asker"
             if said is None:
                 self.malformed += 1
-                self.asker_note = f"{self.pending}? no answer."
+                self.asker_note = f"Is it {self.pending}? The answerer did not say. {NEXT}"
                 return self._asked({"answerer": -p.format_penalty}, {"malformed": reply[:40]})
             ok = said == truth
             self.truthful += ok
             self.lies += not ok
             self.candidates = [o for o in self.candidates if TABLE[o][self.pending] == said]
-            self.asker_note = f"{self.pending}? {'yes' if said else 'no'}."
+            self.asker_note = f"Is it {self.pending}? {'Yes' if said else 'No'}. {NEXT}"
             self.answerer_note = ""
             return self._asked({"answerer": p.truth_reward if ok else -p.truth_reward}, {"truthful": ok})
         word = parse_question(reply) or ""
         cost = {"asker": -p.question_cost}
+        if word:
+            self.repeats += word in self.asked
+            self.asked.add(word)
         if word in TABLE:
             if word == self.secret:
                 self.found = True
                 return StepResult(done=True, rewards={"asker": 1.0, "answerer": 0.0}, turn_rewards=cost,
                                   info={"guess": word})
             self.candidates = [o for o in self.candidates if o != word]
-            self.asker_note = f"{word}? no."
+            self.asker_note = f"No, it is not the {word}. {NEXT}"
             return self._asked(cost, {"guess": word})
         if word in ATTRIBUTES:
             self.pending = word
             self.to_act = "answerer"
-            self.answerer_note = (self.answerer_note + " " if self.answerer_note else "") + f"Q: is it {word}?"
+            self.answerer_note = ((self.answerer_note + " " if self.answerer_note else "")
+                                  + f"Question: Is it {word}? Answer yes or no.")
             return StepResult(done=False, turn_rewards=cost, info={"question": word})
         self.malformed += 1
-        self.asker_note = "Ask 'is it X?'."
+        self.asker_note = f"That is not a question of the form 'Is it <word>?'. {NEXT}"
         return self._asked({"asker": cost["asker"] - p.format_penalty}, {"malformed": reply[:40]})
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
@@ -195,13 +251,9 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         if player == "random":
             return f"is it {rng.choice(ATTRIBUTES + tuple(sorted(TABLE)))}?"
         cands = self.candidates or sorted(TABLE)
-        if len(cands) == 1:
-            return f"is it {cands[0]}?"
-        split = min(ATTRIBUTES, key=lambda a: (abs(sum(TABLE[o][a] for o in cands) * 2 - len(cands)), a))
-        if sum(TABLE[o][split] for o in cands) in (0, len(cands)):  # no attribute separates them: guess
-            return f"is it {cands[0]}?"
-        return f"is it {split}?"
+        split = splitting_attribute(cands)
+        return f"is it {split}?" if split else f"is it {cands[0]}?"  # no attribute separates them: guess
 
     def summary(self) -> dict[str, Any]:
         return {"secret": self.secret, "found": self.found, "questions": self.questions,
-                "truthful": self.truthful, "lies": self.lies, "malformed": self.malformed}
+                "truthful": self.truthful, "lies": self.lies, "malformed": self.malformed, "repeats": self.repeats}
