@@ -282,7 +282,7 @@ async def until_async(cond, within: float = 30.0) -> None:
 
 
 async def test_the_publishes_of_one_tick_land_in_call_order_each_with_its_id(redis_url):
-    """``publish`` pipelines the XADDs issued together (services/common/bus_adds.py): each caller still gets the id
+    """``publish`` pipelines the XADDs issued together (services/common/bus/adds.py): each caller still gets the id
     of its own entry, in the order of the calls."""
     bus = Bus(redis_url, "t", "adds")
     stream = bus.streams.control

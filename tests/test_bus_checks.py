@@ -9,7 +9,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.common.bus import Bus
-from services.common.bus_adds import AGAIN
+from services.common.bus.adds import AGAIN
 from services.common.retention import RecentIds, entry_ms
 from services.contracts.messages import Control
 

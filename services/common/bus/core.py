@@ -1,4 +1,4 @@
-"""Redis Streams bus: publish, consume with consumer groups, reclaim, dead-letter, reconnect.
+"""The ``Bus``: publish, consume with consumer groups, reclaim, dead-letter, reconnect over Redis Streams.
 
 What goes on which stream is the flow table (``services.contracts.flows``): ``consume``
 validates every entry as its stream's message type, and ``publish`` refuses any other type.
@@ -46,8 +46,9 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import ResponseError
 
-from services.common.bus_adds import PipelinedAdds, RedisFull, full_error  # noqa: F401 (RedisFull: the bus names it)
-from services.common.bus_consume import MAX_DELIVERIES, ConsumeLoop, Handler, Reject, RetryLater  # noqa: F401 (the bus names them)
+from services.common.bus.adds import PipelinedAdds
+from services.common.bus.consume import MAX_DELIVERIES, ConsumeLoop, Handler
+from services.common.bus.errors import full_error
 from services.common.metrics import count_dead_letter
 from services.common.reconnect import RECONNECT_WINDOW_S, REDIS_DOWN, Backoff
 from services.common.retention import RecentIds, trim_acknowledged
