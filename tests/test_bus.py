@@ -13,6 +13,7 @@ from services.common.bus import Bus, RedisFull, Reject
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.messages import Control
+from tests.helpers import read_all
 
 
 async def _run_until(bus: Bus, stream: str, group: str, consumer: str, handler, stop: asyncio.Event,
@@ -77,7 +78,7 @@ async def test_malformed_entries_go_to_deadletter_and_consumer_goes_on(redis_url
 
     # a failure (a ValueError too) is retried (reclaimed once), then dead-lettered; a rejection is not retried
     assert seen[:5] == ["pause", "resume", "checkpoint", "pause", "stop"] and sorted(seen[5:]) == ["pause", "resume"]
-    letters = await bus.read_all(bus.streams.deadletter)
+    letters = await read_all(bus, bus.streams.deadletter)
     reasons = [d.reason for d in letters]
     assert len(letters) == 6
     assert "not valid msgpack" in reasons[0]

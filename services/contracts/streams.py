@@ -109,10 +109,6 @@ class Streams:
     def train_log(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:log")
 
-    def weights_secret(self) -> str:
-        """The run's secret the trainers sign published weights with (HMAC-SHA256), made once per run."""
-        return self.key("state:weights_secret")
-
     def restarts(self) -> str:
         """Hash: service name -> times the local launcher restarted it in this run (``tandem up``)."""
         return self.key("state:restarts")
