@@ -62,7 +62,7 @@ def test_common_has_no_import_circle():
 
 
 # A fresh process imports the coordinator, the buffer and the launcher, then does what the coordinator
-# does at start (tokenizers, context windows, a chat turn, TensorBoard's writer): no torch (issue 16.5).
+# does at start (tokenizers, context windows, a chat turn, TensorBoard's writer): no torch.
 NO_TORCH_CHILD = """
 import sys
 import services.buffer.__main__, services.launcher.cli, services.trainer.__main__

@@ -119,7 +119,7 @@ class ValueBaseline:
         return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore the head (None: a trainer state from before it existed, so a fresh one)."""
+        """Restore the head (None: the trainer state holds no head, so a fresh one)."""
         if state is None:
             self.reset()
             return

@@ -25,7 +25,7 @@ class PipelinedAdds:
     the episodes one read of replies woke) go to Redis in one MULTI/EXEC pipeline; each caller waits for its own
     entry id or error. In a transaction Redis wakes a reader blocked on the stream once, after the last entry, so
     the reader gets them in one read (the rollout batches what one read brings). While Redis is unreachable the
-    whole pipeline is retried with backoff, as a single XADD was; a full Redis fails each of them (``RedisFull``).
+    whole pipeline is retried with backoff, as a single XADD is; a full Redis fails each of them (``RedisFull``).
 
     An entry whose message id may already be on the stream carries the ``AGAIN`` field, so that its consumers check
     their done sets for it: every entry of a retried XADD or pipeline (the first try may have landed before the
