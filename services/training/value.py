@@ -1,4 +1,4 @@
-"""A learned value baseline for per-turn credit (``algorithm.baseline: value``; docs/architecture.md §7,
+"""A learned value baseline for per-turn credit (``algorithm.baseline: value``; docs/architecture.md §3,
 "Per-turn credit").
 
 Under ``credit: turn`` a turn's return-to-go G_k is measured against the group's samples at the same turn. In
