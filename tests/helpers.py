@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI
+from pydantic import ValidationError
 
 from services.common.bus import Bus
+from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Sample
 from services.coordinator.ledger import GroupLedger
 
@@ -34,6 +36,18 @@ def make_sample(group: str = "g", reward: float = 0.0, *, agent: str = "A", size
     return Sample(agent=agent, role="X", episode_id=episode_id, group_id=group, group_samples=size, tokens=list(tokens),
                   loss_mask=list(loss_mask), rollout_logprobs=list(logprobs), reward=reward,
                   weight_versions=[version], **extra)
+
+
+async def read_all(bus: Bus, stream: str) -> list[Any]:
+    """Every valid entry of ``stream`` as its flow's message type (invalid ones are skipped)."""
+    model = bus.flow(stream).message
+    out: list[Any] = []
+    for _, fields in await bus.redis.xrange(stream):
+        try:
+            out.append(decode(fields[FIELD], model))
+        except (KeyError, ValueError, ValidationError):
+            continue
+    return out
 
 
 async def emit(bus: Bus, *samples: Sample) -> None:

@@ -13,6 +13,7 @@ from services.common.bus import Bus, RedisFull, Reject
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.contracts.codec import FIELD, decode, encode
 from services.contracts.messages import Control
+from tests.helpers import read_all
 
 
 async def _run_until(bus: Bus, stream: str, group: str, consumer: str, handler, stop: asyncio.Event,
@@ -77,7 +78,7 @@ async def test_malformed_entries_go_to_deadletter_and_consumer_goes_on(redis_url
 
     # a failure (a ValueError too) is retried (reclaimed once), then dead-lettered; a rejection is not retried
     assert seen[:5] == ["pause", "resume", "checkpoint", "pause", "stop"] and sorted(seen[5:]) == ["pause", "resume"]
-    letters = await bus.read_all(bus.streams.deadletter)
+    letters = await read_all(bus, bus.streams.deadletter)
     reasons = [d.reason for d in letters]
     assert len(letters) == 6
     assert "not valid msgpack" in reasons[0]
@@ -282,7 +283,7 @@ async def until_async(cond, within: float = 30.0) -> None:
 
 
 async def test_the_publishes_of_one_tick_land_in_call_order_each_with_its_id(redis_url):
-    """``publish`` pipelines the XADDs issued together (services/common/bus_adds.py): each caller still gets the id
+    """``publish`` pipelines the XADDs issued together (services/common/bus/adds.py): each caller still gets the id
     of its own entry, in the order of the calls."""
     bus = Bus(redis_url, "t", "adds")
     stream = bus.streams.control

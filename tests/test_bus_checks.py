@@ -9,9 +9,10 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.common.bus import Bus
-from services.common.bus_adds import AGAIN
+from services.common.bus.adds import AGAIN
 from services.common.retention import RecentIds, entry_ms
 from services.contracts.messages import Control
+from tests.helpers import read_all
 
 
 def recorder(stop_after: int) -> tuple[list[str], asyncio.Event, Any]:
@@ -51,7 +52,7 @@ async def test_first_deliveries_skip_the_done_set_and_redeliveries_check_it(redi
     # read but not acknowledged (a consumer that died), then handled elsewhere: the re-read pending copy is checked
     await bus.publish(stream, Control(command="resume"))
     [(_, [(entry_id, _)])] = await bus.redis.xreadgroup("g", "c", {stream: ">"}, count=1)
-    resume_id = (await bus.read_all(stream))[-1].id
+    resume_id = (await read_all(bus, stream))[-1].id
     await bus.redis.zadd(bus.streams.done_set(stream, "g"), {resume_id: entry_ms(entry_id)})
     await bus.publish(stream, Control(command="stop"))
     seen2, stop2, handler2 = recorder(1)

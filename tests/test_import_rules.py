@@ -35,8 +35,34 @@ def test_services_never_import_each_other_and_contracts_import_no_service():
     assert not problems, "\n".join(problems)
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_common_has_no_import_circle():
+    """No module of ``services/common`` imports, even only for type checking, one that imports it back."""
+    modules = {_module_name(p): p for p in (ROOT / "common").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
+
+    circles = sorted(name for name in graph if reaches(name, name, set()))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
 # A fresh process imports the coordinator, the buffer and the launcher, then does what the coordinator
-# does at start (tokenizers, context windows, a chat turn, TensorBoard's writer): no torch (issue 16.5).
+# does at start (tokenizers, context windows, a chat turn, TensorBoard's writer): no torch.
 NO_TORCH_CHILD = """
 import sys
 import services.buffer.__main__, services.launcher.cli, services.trainer.__main__

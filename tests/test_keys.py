@@ -164,10 +164,13 @@ def accesses() -> tuple[dict[str, set[Access]], list[str]]:
     common: dict[tuple[str, str], set[Access]] = {}  # (module, symbol) -> accesses, through what it calls
     deps: dict[tuple[str, str], set[tuple[str, str]]] = {}
     for path, m in modules.items():
-        mod = ".".join(path.relative_to(SERVICES.parent).with_suffix("").parts)
+        parts = path.relative_to(SERVICES.parent).with_suffix("").parts
+        mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         if not mod.startswith("services.common."):
             continue
         local = {getattr(s, "name", "") for s in m.tree.body}
+        for name in m.imports.keys() - local:  # a name a package re-exports is the one it imports
+            common[(mod, name)], deps[(mod, name)] = set(), {(m.imports[name], name)}
         for s in m.tree.body:
             if name := getattr(s, "name", None):
                 common[(mod, name)] = set(m.access.get(name, ()))

@@ -70,8 +70,8 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
     coord.evals.append({"label": "start", "scores": {"A": 0.25, "B": None}})
     coord.episodes["e1"] = {"turns": [{"agent": "A", "tokens": 30}, {"agent": "B", "tokens": 5},
                                       {"agent": "scripted:random"}]}
-    await bus.dead_letter(bus.streams.samples("A"), "1-0", b"x", "invalid Sample")
-    await bus.dead_letter(bus.streams.events, "2-0", b"y", "invalid Event")
+    await bus.redis.xadd(bus.streams.deadletter, bus.letter(bus.streams.samples("A"), "1-0", b"x", "invalid Sample"))
+    await bus.redis.xadd(bus.streams.deadletter, bus.letter(bus.streams.events, "2-0", b"y", "invalid Event"))
     starts = bus.streams.key(SERVICE_STARTS)
     for svc in ("trainer-A", "trainer-A", "trainer-A", "buffer-B", "coordinator"):
         await record_start(bus.redis, starts, svc)

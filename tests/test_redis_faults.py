@@ -154,7 +154,7 @@ async def test_the_done_id_grace_is_a_run_setting_shared_by_the_wait_window(redi
     cfg = parse_config({"run": {"name": "grace", "done_ids_grace_s": 45}, "redis_url": redis_url,
                         "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "A"}},
                         "agents": {"A": {"model_path": str(tiny_model_dir)}}})
-    from services.common.bus_consume import ConsumeLoop
+    from services.common.bus.consume import ConsumeLoop
 
     async def handler(_: object) -> None:
         return None

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from services.demo.tiny_model import build_tokenizer
-from services.envs.render import ChatRenderer, close_assistant_turn, render_user_turn
+from services.envs.render import ChatRenderer, render_user_turn
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -114,6 +114,11 @@ def test_a_template_that_is_not_prefix_stable_falls_back_per_turn(caplog) -> Non
         second = renderer.user_turn("c")
     assert not renderer.exact and "not prefix-stable" in caplog.text
     assert second == [tok.eos_token_id] + full_render(tok, [{"role": "user", "content": "c"}], True)
+
+
+def close_assistant_turn(tokenizer, output_ids: list[int]) -> list[int]:
+    """The end-of-turn token after an assistant turn the engine cut short (demo-style templates)."""
+    return [] if output_ids and output_ids[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
 
 
 def test_demo_template_renders_as_before() -> None:

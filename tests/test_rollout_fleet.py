@@ -38,7 +38,7 @@ from services.rollout.commands import engine_command
 from services.rollout.engine_client import EngineClient
 from services.rollout.fleet import EngineFleet
 from services.rollout.service import resume_weights
-from tests.helpers import signed_proof
+from tests.helpers import read_all, signed_proof
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_config_fields_of_the_lifecycle() -> None:
 
 
 async def _events(bus: Bus, kind: str) -> list[WeightsLoaded | RolloutLoad]:
-    return [e for e in await bus.read_all(bus.streams.events) if e.kind == kind]
+    return [e for e in await read_all(bus, bus.streams.events) if e.kind == kind]
 
 
 @pytest.mark.slow
@@ -143,7 +143,7 @@ async def _drive(proc: subprocess.Popen[bytes], redis_url: str, v1: Path, log_pa
     async def collect(ids: list[str], within: float) -> None:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline and not set(ids) <= set(replies):
-            for r in await bus.read_all(s.replies("test")):
+            for r in await read_all(bus, s.replies("test")):
                 replies[r.request_id] = r
             await asyncio.sleep(0.3)
 

@@ -111,16 +111,24 @@ async def test_round_robin_and_worker_admin(cluster: Cluster) -> None:
         assert set(await _burst(client, 8, "back")) == {"engine-0", "engine-1"}
 
 
+async def _weight_version(engine_url: str) -> int:
+    """The engine's weight version, from ``/get_model_info`` (SGLang serves no ``/get_weight_version``)."""
+    async with httpx.AsyncClient(timeout=30.0, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+        resp = await http.get(f"{engine_url.rstrip('/')}/get_model_info")
+    resp.raise_for_status()
+    return int(resp.json()["weight_version"])
+
+
 async def test_weight_update_through_client(cluster: Cluster) -> None:
     async with EngineClient(cluster.router_url, timeout=30.0, token=ADMIN_TOKEN) as client:
         for url in cluster.engine_urls:
             await client.update_weights(url, str(cluster.model_dir), 3)
-            assert await client.get_weight_version(url) == 3
+            assert await _weight_version(url) == 3
         result = await client.generate([9, 9, 9], {"max_new_tokens": 2, "temperature": 0}, "after-update")
         assert result.weight_version == 3
         with pytest.raises(EngineClientError, match="not loaded"):
             await client.update_weights(cluster.engine_urls[0], str(cluster.model_dir / "nope"), 4)
-        assert await client.get_weight_version(cluster.engine_urls[0]) == 3
+        assert await _weight_version(cluster.engine_urls[0]) == 3
         with pytest.raises(EngineClientError, match="400"):
             await client.generate([10**6], {"max_new_tokens": 2}, "bad-token")
 

@@ -180,7 +180,7 @@ def test_engine_serves_sglang_routes(sgl: Path, app: FastAPI) -> None:
     ours = {getattr(r, "path", "") for r in app.routes}
     assert design <= ours, design - ours
     # SGLang 0.5.23 has no /get_weight_version (docs/architecture.md §5 names it): the version is in /get_model_info,
-    # which is where EngineClient.get_weight_version reads it, so the rollout works against both.
+    # so a client that reads it there works against both.
     assert design - theirs == {"/get_weight_version"}
 
 

@@ -64,6 +64,6 @@ def rng_states() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Put back ``rng_states``; the GPUs' only where as many GPUs are seen as were saved (else they start fresh)."""
     torch.set_rng_state(state["torch_rng"])
-    cuda = state.get("cuda_rng")  # (absent in states written before it was saved)
+    cuda = state.get("cuda_rng")  # (a state may hold none: then the GPUs start fresh)
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)

@@ -20,12 +20,13 @@ entry by more than ``grace_s`` are removed. Why that is safe:
   kept until the copy too has been trimmed.
 
 A stream that is never trimmed (``run.trim_interval_s: 0``) keeps every id, exactly as it keeps every entry.
-A done set left as a plain set by older code is converted once (``migrate``), its ids scored "now".
+A done set stored as a plain set (unscored ids under a 7-day TTL) is converted once (``migrate``), its ids
+scored "now", so a run's Redis in that form resumes with every id it held.
 
-Which deliveries are checked (``services/common/bus.py``): a copy of a message id only reaches a stream as a
+Which deliveries are checked (``services/common/bus/core.py``): a copy of a message id only reaches a stream as a
 redelivery (re-read pending, ``XAUTOCLAIM``) or as a publish its producer knows is another (a retried ``XADD``,
 or an id that producer published before: ``RecentIds``); those copies carry the ``again`` field
-(``bus_adds.AGAIN``), and only they, redeliveries and ids this consumer has handled lately (``RecentIds``) pay
+(``bus.adds.AGAIN``), and only they, redeliveries and ids this consumer has handled lately (``RecentIds``) pay
 the done-set check. A first delivery of an id published once cannot have been handled, so it skips the round
 trip.
 """
@@ -105,7 +106,7 @@ class DoneIds:
         self._next_prune = 0.0
 
     async def migrate(self) -> None:
-        """Convert a plain set (older code: a 7-day TTL) into the scored set, once."""
+        """Convert a plain set of ids (kept by a 7-day TTL) into the scored set, once."""
         if await self.redis.type(self.key) not in (b"set", "set"):
             return
         members = await self.redis.smembers(self.key)

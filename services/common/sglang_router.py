@@ -26,7 +26,7 @@ Findings, measured against sglang-router 0.3.2 with a request-logging worker:
   "is_healthy", "load", ...}], "total", "stats"}``; ``POST /workers`` with
   ``{"url": ...}`` -> 202 (queued; the worker appears once registered);
   ``GET/DELETE /workers/{id}`` (202, queued). ``/add_worker``,
-  ``/remove_worker`` and ``/list_workers`` of older routers are gone (404).
+  ``/remove_worker`` and ``/list_workers`` answer 404 (not served by this version).
 * Start-up: no tokenizer or GPU is needed. ``--worker-startup-check-interval``
   defaults to 30 s (a worker not up at the first probe waits that long) and
   Prometheus binds 0.0.0.0:29000 by default (a second router would clash), so

@@ -21,7 +21,6 @@ message of another type), and tests/test_flows.py checks every ``publish``/``con
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any
 
 from pydantic import BaseModel
@@ -49,9 +48,6 @@ class Flow:
     types: tuple[type[BaseModel], ...]  # the classes an entry may be
     producers: tuple[str, ...]  # services (package names under services/); "*": every service
     groups: tuple[str, ...]  # consumer groups, as fnmatch patterns
-
-    def accepts_group(self, group: str) -> bool:
-        return any(fnmatchcase(group, g) for g in self.groups)
 
 
 def _flow(name: str, message: type[BaseModel], producers: tuple[str, ...], groups: tuple[str, ...]) -> Flow:

@@ -9,17 +9,14 @@ not an int); token ids are non-negative (``TokenId``) and logprobs finite and �
 Whether an id is within the agent's vocabulary depends on its model: the buffer and the rollout
 check that (``services.common.tokens``).
 
-Schema 2: events are a discriminated union on ``kind`` (one model per kind, typed fields in place
-of a ``data`` dict); the never-sent event kinds ``health`` and ``error`` and the never-sent
-control command ``eval`` are gone.
+Events are a discriminated union on ``kind``: one model per kind, with typed fields.
 
-Schema 3: one name per concept (docs/architecture.md §3). A weight version is ``weight_version``
-everywhere (``Batch.step``, ``WeightsUpdate.version`` and the events' ``version``/``step``/``batch_step``
-renamed), a sample's per-turn versions are ``Sample.weight_versions``; ``Sample.group_samples`` (was
-``group_size``) is the agent's share of its group, not ``environment.group_size`` (the group's episodes).
-And ``WeightsUpdate`` carries a required ``signature`` (HMAC of the update with the run's secret, §2.3)
-next to its ``checksum``: a schema-2 producer's update (no signature) is rejected at decode naming
-``schema_version``, not refused later as merely unsigned.
+One name per concept (docs/architecture.md §3): a weight version is ``weight_version`` everywhere, a
+sample's per-turn versions are ``Sample.weight_versions``, and ``Sample.group_samples`` is the agent's share
+of its group, not ``environment.group_size`` (the group's episodes). ``WeightsUpdate`` carries a required
+``signature`` (HMAC of the update with the run's secret, §2.3) next to its ``checksum``: an update from a
+producer on another schema (no signature) is rejected at decode naming ``schema_version``, not refused
+later as merely unsigned.
 """
 
 from __future__ import annotations

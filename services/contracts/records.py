@@ -70,8 +70,8 @@ class Verdict(BaseModel):
 class LedgerEntry(BaseModel):
     """One agent's part of one group, as the coordinator records it. ``playing``: ``index`` (the run's group
     counter); ``emitted``: ``reward`` (the mean), ``samples`` (the ids emitted: the buffer takes them as the
-    group's membership and size) and ``version`` (the oldest weight version a sample was played with; absent
-    in entries written before it was recorded); ``abandoned``: ``reason``. Fields not set are not written."""
+    group's membership and size) and ``version`` (the oldest weight version a sample was played with; optional:
+    an entry may lack it); ``abandoned``: ``reason``. Fields not set are not written."""
 
     state: GroupState
     at: float = 0.0
@@ -92,9 +92,9 @@ class LedgerEntry(BaseModel):
 class TrainLogRecord(BaseModel):
     """The trainer's commit of ``weight_version``: the batch, its samples, the signed weights and the metrics.
 
-    Persisted with the names it was first written with: ``version`` for ``weight_version``, and the metrics
-    dict carrying ``version`` and ``batch_step`` (``batch_weight_version``); ``parse`` reads them, ``dump``
-    writes them, so logs written before still read. ``metrics`` here holds the step's own metrics only, and
+    Persisted under the names stored logs use: ``version`` for ``weight_version``, and the metrics dict
+    carrying ``version`` and ``batch_step`` (``batch_weight_version``); ``parse`` reads them, ``dump`` writes
+    them, so every stored log reads. ``metrics`` here holds the step's own metrics only, and
     is None for a record written without metrics."""
 
     model_config = ConfigDict(populate_by_name=True)

@@ -53,7 +53,7 @@ class Streams:
         return f"{stream}:done:{group}"
 
     def loaded_weight_version(self, agent: str) -> str:
-        """The weight version loaded on the agent's engines (the key's name predates the rename: unchanged)."""
+        """The weight version loaded on the agent's engines (held under the key ``loaded_version``)."""
         return self.key(f"state:{agent}:loaded_version")
 
     def loaded_weights(self, agent: str) -> str:
@@ -61,7 +61,7 @@ class Streams:
         return self.key(f"state:{agent}:loaded_weights")
 
     def published_weight_version(self, agent: str) -> str:
-        """The last weight version the agent's trainer committed (key name unchanged, as above)."""
+        """The last weight version the agent's trainer committed (held under ``published_version``, as above)."""
         return self.key(f"state:{agent}:published_version")
 
     def buffer_samples(self, agent: str) -> str:
@@ -108,10 +108,6 @@ class Streams:
 
     def train_log(self, agent: str) -> str:
         return self.key(f"trainer:{agent}:log")
-
-    def weights_secret(self) -> str:
-        """The run's secret the trainers sign published weights with (HMAC-SHA256), made once per run."""
-        return self.key("state:weights_secret")
 
     def restarts(self) -> str:
         """Hash: service name -> times the local launcher restarted it in this run (``tandem up``)."""

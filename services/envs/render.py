@@ -106,11 +106,3 @@ class ChatRenderer:
 def render_user_turn(tokenizer: Any, text: str, system: str | None = None) -> list[int]:
     """Chat-template tokens of one user message plus the generation prompt (a first turn)."""
     return ChatRenderer(tokenizer, system).user_turn(text)
-
-
-def close_assistant_turn(tokenizer: Any, output_ids: list[int]) -> list[int]:
-    """The end-of-turn token after an assistant turn the engine cut short (demo-style templates)."""
-    eos = tokenizer.eos_token_id
-    if output_ids and output_ids[-1] == eos:
-        return []
-    return [eos]

@@ -26,8 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from services.common.lifetime import die_with_parent
 
 # exit codes a restart cannot fix: the run stops at once, naming the reason
@@ -208,21 +206,6 @@ class ProcessGroup:
             if c.name == name:
                 return c.proc.poll()
         return None
-
-    def wait_http(self, url: str, child: Child, timeout: float = 120.0) -> None:
-        """Wait until GET url answers 200 (or the child dies)."""
-        waiter = threading.Event()
-        deadline = timeout / 0.25
-        for _ in range(int(deadline)):
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting")
-            try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            waiter.wait(0.25)
-        raise RuntimeError(f"{child.name} did not answer {url} within {timeout:.0f}s")
 
     def stop_all(self, grace: float = 10.0) -> None:
         self.stopping.set()

@@ -1,6 +1,6 @@
 """The report of a ``tandem sweep`` (services/launcher/sweep.py): one table and one plot across seeds.
 
-Reads each sub-run's ``summary.json`` (the coordinator's report, docs/architecture.md §1). Per set-up,
+Reads each sub-run's ``summary.json`` (the coordinator's report, docs/architecture.md §8). Per set-up,
 agent and eval opponent it gives the mean ± standard error across seeds (sample standard deviation
 / √n; none for one seed) of the start eval score, the final one, their difference and, where the
 summary has them, the eval and training illegal-move / format-failure rates, and the start and final

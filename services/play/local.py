@@ -7,7 +7,7 @@ versions of an opponent pool, ``tandem eval`` checkpoints): one engine per direc
 first use, a few kept (the least recently used idle one is stopped). Concurrent episodes' turns
 share the engine's running batch. Nothing a ``Local`` player generates is trained on.
 
-Importing this module imports no torch (the coordinator imports it, docs/architecture.md §1): the
+Importing this module imports no torch (the coordinator imports it, docs/architecture.md §9): the
 inference library's ``Engine`` is imported when the first engine is made, tokenizers and context windows
 come from ``services.common.tokens``.
 """

@@ -208,13 +208,3 @@ class EngineClient:
                                     resp.status_code) from None
         if not out.success or resp.status_code != 200:
             raise EngineClientError(f"{url}: {body['lora_name']}: {out.error_message}", resp.status_code)
-
-    async def get_weight_version(self, engine_url: str) -> int:
-        """From ``/get_model_info`` (SGLang 0.5.23 serves no ``/get_weight_version``; ours does too)."""
-        url = f"{engine_url.rstrip('/')}/get_model_info"
-        try:
-            resp = await self._http.get(url)
-            resp.raise_for_status()
-            return _version(str(resp.json()["weight_version"]))
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            raise EngineClientError(f"GET {url} failed: {exc!r}") from exc

@@ -1,4 +1,4 @@
-"""Per-turn credit (``algorithm.credit: turn``; docs/architecture.md §7, "Per-turn credit").
+"""Per-turn credit (``algorithm.credit: turn``; docs/architecture.md §3, "Per-turn credit").
 
 One reward per episode gives every token of a multi-turn sample the same advantage: a good first guess and a
 bad late one are pushed alike. With per-turn credit each generated turn k of a sample gets its own advantage

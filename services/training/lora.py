@@ -9,7 +9,6 @@ engines serve on their resident base (``/load_lora_adapter``).
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -30,11 +29,6 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
     pcfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                           target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, pcfg)
-
-
-def merged_copy(model: PeftModel) -> torch.nn.Module:
-    """A plain transformers model with the adapters folded in; the trained model is left as it is."""
-    return copy.deepcopy(model).merge_and_unload()
 
 
 def save_adapter(model: PeftModel, out_dir: Path, base_path: str) -> None:

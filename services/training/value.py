@@ -1,4 +1,4 @@
-"""A learned value baseline for per-turn credit (``algorithm.baseline: value``; docs/architecture.md §7,
+"""A learned value baseline for per-turn credit (``algorithm.baseline: value``; docs/architecture.md §3,
 "Per-turn credit").
 
 Under ``credit: turn`` a turn's return-to-go G_k is measured against the group's samples at the same turn. In
@@ -119,7 +119,7 @@ class ValueBaseline:
         return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore the head (None: a trainer state from before it existed, so a fresh one)."""
+        """Restore the head (None: the trainer state holds no head, so a fresh one)."""
         if state is None:
             self.reset()
             return

@@ -23,6 +23,7 @@ Run alone: ``python -m tests.bench.bench_adapter_sync`` (prints the figures as J
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -123,10 +124,8 @@ def lora_policy(model: Path, seed: int) -> TorchPolicy:
 
 def merged_export(policy: TorchPolicy, out: Path) -> tuple[Path, str]:
     """The trainer's export under LoRA before adapter sync: the merged model and its tokenizer, atomically."""
-    from services.training.lora import merged_copy
-
     tmp = out.with_name(out.name + ".tmp")
-    merged_copy(policy.model).save_pretrained(tmp, safe_serialization=True)
+    copy.deepcopy(policy.model).merge_and_unload().save_pretrained(tmp, safe_serialization=True)  # adapters folded in
     policy.tokenizer.save_pretrained(tmp)
     replace_dir(tmp, out)
     return out, weights_checksum(out)

@@ -24,7 +24,7 @@ from pathlib import Path
 from services.contracts.config import AgentConfig, AlgorithmConfig
 from services.contracts.messages import Sample
 from services.demo.tiny_model import create_tiny_model
-from services.envs.render import close_assistant_turn, render_user_turn
+from services.envs.render import render_user_turn
 from services.envs.tictactoe import TicTacToe
 
 GROUPS, GROUP_SIZE = 16, 8
@@ -41,7 +41,7 @@ def game_view(tokenizer, seed: int, group: int) -> Sample:  # type: ignore[no-un
         if role == "X":
             prompt = render_user_turn(tokenizer, env.observation(role))
             out = tokenizer.encode(reply, add_special_tokens=False)
-            closing = close_assistant_turn(tokenizer, out)
+            closing = [] if out and out[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]  # end of turn
             tokens += prompt + out + closing
             mask += [0] * len(prompt) + [1] * len(out) + [0] * len(closing)
         result = asyncio.run(env.step(role, reply))

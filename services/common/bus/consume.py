@@ -2,7 +2,7 @@
 
 ``ConsumeLoop`` reads a stream for a consumer group, checks the done set for the entries that can repeat a
 message id, runs the handlers, and acknowledges completions in bursts; it survives Redis restarts. The delivery
-rules are the bus's (services/common/bus.py); the done set and which deliveries are checked are
+rules are the bus's (services/common/bus/core.py); the done set and which deliveries are checked are
 services/common/retention.py's.
 
 Work in progress is never reclaimed: while an entry is being handled here, ``_keepalive`` resets its idle
@@ -19,20 +19,21 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from services.common.bus_adds import AGAIN, full_error
+from services.common.bus.adds import AGAIN
+from services.common.bus.errors import Reject, RetryLater, full_error
 from services.common.latency import LatencyWindow
 from services.common.metrics import observed
 from services.common.reconnect import REDIS_DOWN, Backoff
 from services.common.retention import DoneIds, RecentIds
 from services.contracts.codec import FIELD, decode
-
-if TYPE_CHECKING:
-    from services.common.bus import Bus
+from services.contracts.flows import Flow
+from services.contracts.streams import Streams
 
 Handler = Callable[[Any], Awaitable[None]]
 log = logging.getLogger("tandem.bus")
@@ -41,12 +42,21 @@ MAX_DELIVERIES = 3
 CLOSE_FLUSH_S = 5.0  # at close, how long to try acknowledging what was handled
 
 
-class RetryLater(Exception):
-    """Raised by a handler to leave the entry pending; it is reclaimed later (not counted as a failure)."""
+class BusPort(Protocol):
+    """What a consume loop uses of its ``Bus`` (services/common/bus/core.py), which builds the loop."""
 
+    redis: aioredis.Redis
+    streams: Streams
+    service: str
+    reconnect_window_s: float
 
-class Reject(Exception):
-    """Raised by a handler when the message itself is unusable: it is dead-lettered at once with the reason."""
+    def flow(self, stream: str) -> Flow: ...
+
+    async def ensure_group(self, stream: str, group: str, start: str = "0") -> bool: ...
+
+    async def deliveries(self, stream: str, group: str, entry_id: str) -> int: ...
+
+    def letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> dict[bytes, bytes]: ...
 
 
 @dataclass
@@ -63,7 +73,7 @@ class _Entry:
 class ConsumeLoop:
     """One ``Bus.consume``: reads, batches the bookkeeping, runs the handlers, survives Redis restarts."""
 
-    def __init__(self, bus: Bus, stream: str, group: str, consumer: str, handler: Handler, concurrency: int,
+    def __init__(self, bus: BusPort, stream: str, group: str, consumer: str, handler: Handler, concurrency: int,
                  count: int, block_ms: int, claim_idle_ms: int, start: str, max_deliveries: int) -> None:
         self.bus, self.r, self.stream, self.group, self.consumer = bus, bus.redis, stream, group, consumer
         self.flow, self.handler = bus.flow(stream), handler

@@ -1,36 +1,23 @@
-"""The bus's publishing half: XADDs pipelined per event-loop tick, and Redis's refusal when it is full.
+"""The bus's publishing half: XADDs pipelined per event-loop tick, each caller waiting for its own entry id.
 
 docs/architecture.md §2.2 (delivery; the bus batches its Redis work) and §10 (a full Redis). ``Bus.publish``
-(services/common/bus.py) validates a message against the flow table, encodes it and hands it here.
+(services/common/bus/core.py) validates a message against the flow table, encodes it and hands it here.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import ResponseError
 
+from services.common.bus.errors import full_error
 from services.contracts.codec import FIELD
 
-T = TypeVar("T")
 AGAIN = b"again"  # an entry's field: its message id may have reached the stream before (services/common/retention.py)
 Retrying = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]]
-
-
-class RedisFull(RuntimeError):
-    """Redis refused a write because its ``maxmemory`` is reached (policy noeviction): the run cannot go on."""
-
-
-def full_error(exc: ResponseError) -> RedisFull | None:
-    """The clear error for Redis's OOM refusal, or None when ``exc`` is another error."""
-    if not isinstance(exc, OutOfMemoryError) and not str(exc).startswith("OOM"):
-        return None
-    return RedisFull(f"Redis is full: its maxmemory is reached and it refuses writes ({exc}). Raise "
-                     "run.redis_maxmemory_mb (embedded Redis) or the server's maxmemory, or keep fewer "
-                     "transcripts (run.transcripts_kept)")
 
 
 class PipelinedAdds:
@@ -38,7 +25,7 @@ class PipelinedAdds:
     the episodes one read of replies woke) go to Redis in one MULTI/EXEC pipeline; each caller waits for its own
     entry id or error. In a transaction Redis wakes a reader blocked on the stream once, after the last entry, so
     the reader gets them in one read (the rollout batches what one read brings). While Redis is unreachable the
-    whole pipeline is retried with backoff, as a single XADD was; a full Redis fails each of them (``RedisFull``).
+    whole pipeline is retried with backoff, as a single XADD is; a full Redis fails each of them (``RedisFull``).
 
     An entry whose message id may already be on the stream carries the ``AGAIN`` field, so that its consumers check
     their done sets for it: every entry of a retried XADD or pipeline (the first try may have landed before the

@@ -1,4 +1,4 @@
-"""Redis Streams bus: publish, consume with consumer groups, reclaim, dead-letter, reconnect.
+"""The ``Bus``: publish, consume with consumer groups, reclaim, dead-letter, reconnect over Redis Streams.
 
 What goes on which stream is the flow table (``services.contracts.flows``): ``consume``
 validates every entry as its stream's message type, and ``publish`` refuses any other type.
@@ -40,18 +40,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from redis.exceptions import ResponseError
 
-from services.common.bus_adds import PipelinedAdds, RedisFull, full_error  # noqa: F401 (RedisFull: the bus names it)
-from services.common.bus_consume import MAX_DELIVERIES, ConsumeLoop, Handler, Reject, RetryLater  # noqa: F401 (the bus names them)
+from services.common.bus.adds import PipelinedAdds
+from services.common.bus.consume import MAX_DELIVERIES, ConsumeLoop, Handler
+from services.common.bus.errors import full_error
 from services.common.metrics import count_dead_letter
 from services.common.reconnect import RECONNECT_WINDOW_S, REDIS_DOWN, Backoff
 from services.common.retention import RecentIds, trim_acknowledged
-from services.contracts.codec import FIELD, decode, encode
+from services.contracts.codec import FIELD, encode
 from services.contracts.flows import Flow, flow
 from services.contracts.messages import DeadLetter
 from services.contracts.streams import Streams
@@ -110,10 +111,6 @@ class Bus:
         return {FIELD: encode(DeadLetter(source_stream=stream, entry_id=entry_id, service=self.service,
                                          reason=reason, payload=payload))}
 
-    async def dead_letter(self, stream: str, entry_id: str, payload: bytes, reason: str) -> None:
-        letter = self.letter(stream, entry_id, payload, reason)
-        await self.retrying("dead-letter", lambda: self.redis.xadd(self.streams.deadletter, letter))
-
     # --- consuming ----------------------------------------------------------
     async def ensure_group(self, stream: str, group: str, start: str = "0") -> bool:
         """Create the group unless it exists; whether it was created here."""
@@ -153,18 +150,7 @@ class Bus:
         info = await self.redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
         return int(info[0]["times_delivered"]) if info else 1
 
-    # --- reading and housekeeping ------------------------------------------
-    async def read_all(self, stream: str) -> list[Any]:
-        """Every valid entry of ``stream`` as its flow's message type (invalid ones are skipped)."""
-        model = self.flow(stream).message
-        out: list[Any] = []
-        for _, fields in await self.redis.xrange(stream):
-            try:
-                out.append(decode(fields[FIELD], model))
-            except (KeyError, ValueError, ValidationError):
-                continue
-        return out
-
+    # --- housekeeping -------------------------------------------------------
     async def trim_acknowledged(self, stream: str) -> int:
         """Trim entries that every group has acknowledged; returns entries removed."""
         return await trim_acknowledged(self.redis, stream)
