@@ -9,7 +9,9 @@ every sample the buffer acknowledged trained exactly once or in a dropped/abando
 (or unused when the run ended); weight versions are 1..total_steps; ``summary.json`` counts the restarts.
 
 ``TANDEM_FAULT_LORA=1`` runs the same with LoRA on both agents (adapter sync: the engines load each version
-with ``/load_lora_adapter`` and the turns name it).
+with ``/load_lora_adapter`` and the turns name it). ``TANDEM_FAULT_CONFIG=llm_answer`` runs the real chat model's
+demo (``configs/llm_answer.yaml``, LoRA, on the model ``tests/test_llm_smoke.py`` finds) instead of the tiny
+demo; ``TANDEM_FAULT_STEPS`` sets its length (24 is enough there: a real-model step takes seconds).
 
 Printed: per service kind, the seconds from the SIGKILL to the run's progress again: the first sample
 *published after the kill* that the buffer acknowledged, and the next training step.
@@ -35,18 +37,22 @@ from services.launcher.processes import LOST_EPISODES
 from services.launcher.up import failed_episodes
 from tests import aof_audit
 from tests.helpers import REPO, launch_up
+from tests.test_llm_smoke import real_model  # noqa: F401  (a fixture: the real chat model, for CONFIG=llm_answer)
 
 pytestmark = pytest.mark.slow
 RUN = "faults"
-TOTAL_STEPS = 90  # enough that every kill lands mid-run on a quiet machine (the tiny model plays ~1 step/s)
+CONFIG = os.environ.get("TANDEM_FAULT_CONFIG", "demo")
+# enough that every kill lands mid-run on a quiet machine (the tiny model plays ~1 step/s)
+TOTAL_STEPS = int(os.environ.get("TANDEM_FAULT_STEPS", "90"))
 AGENTS = ("A", "B")
 KINDS = ("coordinator", "rollout", "engine", "buffer", "trainer", "redis")
 SEED = int(os.environ.get("TANDEM_FAULT_SEED", "11"))  # the kill order, agents and moments
 
 
 def write_config(d: Path, model: Path) -> Path:
-    """The demo config, shortened: tiny groups and batches, a short eval, a short group timeout, no trimming."""
-    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    """The demo config (``CONFIG``), shortened: tiny groups and batches, a short eval, a short group timeout, no
+    trimming."""
+    data = yaml.safe_load((REPO / "configs" / f"{CONFIG}.yaml").read_text())
     data["run"].update(name=RUN, total_steps=TOTAL_STEPS, concurrent_episodes=8, checkpoint_root=str(d / "ckpt"),
                        output_dir=str(d / "runs"), trim_interval_s=0, group_timeout_s=20,
                        state_kept_steps=8)  # the log, ledger and verdicts are pruned (archived) under the kills
@@ -189,9 +195,10 @@ def kill_and_measure(proc, obs: Observer, kind: str, agent: str, rng: random.Ran
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_model_dir):
+def run(tmp_path_factory, request):
     d = tmp_path_factory.mktemp("faults")
-    path = write_config(d, tiny_model_dir)
+    model = request.getfixturevalue("tiny_model_dir" if CONFIG == "demo" else "real_model")
+    path = write_config(d, model)
     log = d / "launcher.log"
     proc = launch_up(path, stdout=log.open("w"), text=True)
     rng = random.Random(SEED)
