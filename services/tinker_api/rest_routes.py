@@ -47,11 +47,11 @@ class Catalog:
         return self.svc().workshop.runs
 
     async def checkpoints(self, model_id: str) -> list[dict[str, Any]]:
-        expiry = await self.svc().store.expiries()
+        expiry, public = await self.svc().store.expiries(), await self.svc().store.public()
 
         def scan() -> list[dict[str, Any]]:
-            return [ck.describe(model_id, kind, d, expiry.get(f"tinker://{model_id}/{kind}/{d.name}"))
-                    for kind, d in ck.checkpoint_dirs(self.runs, model_id)]
+            return [ck.describe(model_id, kind, d, expiry.get(path := f"tinker://{model_id}/{kind}/{d.name}"),
+                                path in public) for kind, d in ck.checkpoint_dirs(self.runs, model_id)]
 
         return await asyncio.to_thread(scan)
 
@@ -133,12 +133,20 @@ def rest_routes(svc: Svc) -> APIRouter:
             return user_error(f"no file {rel!r}", 404)
         return FileResponse(target)
 
+    checkpoint_lifetime_routes(r, svc, cat)
+    return r
+
+
+def checkpoint_lifetime_routes(r: APIRouter, svc: Svc, cat: Catalog) -> None:
+    """A checkpoint deleted, or given a TTL (an expired checkpoint is deleted by the reaper)."""
+
     @r.delete("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(model_id: str, kind: str, name: str) -> dict[str, Any]:
         root = await cat.checkpoint_dir(model_id, kind, name)
         await asyncio.to_thread(shutil.rmtree, root, True)
         await svc().samplers.forget([str(root)])
         await svc().store.set_expiry(f"tinker://{model_id}/{kind}/{name}", None)
+        await svc().store.set_public(f"tinker://{model_id}/{kind}/{name}", False)
         return {}
 
     @r.put("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
@@ -148,6 +156,4 @@ def rest_routes(svc: Svc) -> APIRouter:
         at = None if ttl is None else time.time() + ttl
         await svc().store.set_expiry(f"tinker://{model_id}/{kind}/{name}", at)
         return {}
-
-    return r
 
