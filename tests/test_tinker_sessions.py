@@ -2,6 +2,7 @@
 
 One live ``tandem serve`` (the suite's Redis, the tiny demo model); the SDK's own calls:
 ``get_session``, ``list_sessions``, ``search_sessions``, ``assign_session_project``,
+``export_session_trace``, ``get_current_checkpoint_storage_usage``,
 ``publish``/``unpublish_checkpoint_from_tinker_path`` and ``copy_weights``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -74,6 +76,14 @@ def test_sessions_are_read_searched_and_moved(server: TinkerServer, tiny_model_d
                 .sessions] == [other]
         page = search(types.SessionSearchRequest(session_id=sid, display_name="nothing like it")).result()
         assert [s.session_id for s in page.sessions] == [sid]  # either one matches
+        trace = httpx.get(rest.export_session_trace(sid).result()).json()  # a signed URL: no API key
+        slices = [(e["name"], e["args"]["seq_id"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert slices[:4] == [("create_model", 0), ("forward_backward", 1), ("optim_step", 2), ("save_weights", 3)]
+        assert ("save_for_sampler", 4) in slices and any(name == "sample" for name, _ in slices)
+        tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        assert tracks == {tc.model_id, f"{sid}:sample:0"}
+        usage = {u.project_id: u for u in rest.get_current_checkpoint_storage_usage().result().data}
+        assert usage["proj-x"].checkpoint_count == 2 and usage["proj-x"].size_bytes == hit.checkpoint_storage_bytes
         rest.assign_session_project(sid, "proj-y").result()
         moved = search(types.SessionSearchRequest(project_ids=["proj-y"])).result()
         assert [s.session_id for s in moved.sessions] == [sid]

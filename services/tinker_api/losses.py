@@ -12,8 +12,8 @@ follow Tinker's published definitions (tinker-docs.thinkingmachines.ai/tinker/lo
 /gspo): DRO is ``-sum(lp * A - beta / 2 * (lp - q)^2)`` (``beta`` must be given: its default is
 not published); GSPO-token gives every token the sequence ratio ``exp(mean over
 sequence_ratio_mask of (lp - q))`` (all tokens when the mask is absent) with its own
-log-probability's gradient, clipped as PPO clips. ``stable_reinforce`` needs the sampler's
-stability records (``record_stability_info``), which are not kept here: it is refused by name.
+log-probability's gradient, clipped as PPO clips. ``stable_reinforce`` is refused by name: Tinker
+publishes neither its objective nor the sampling-time records (``record_stability_info``) it reads.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
 OPTIONAL_INPUTS = {"gspo": ("sequence_ratio_mask",)}
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 CLIPPED = ("ppo", "cispo", "gspo")
-REFUSED = {"stable_reinforce": "it needs the sampler's stability records (record_stability_info), which this "
-                               "server does not keep"}
+REFUSED = {"stable_reinforce": "Tinker publishes neither its objective nor the sampler's stability records "
+                               "(record_stability_info) it reads"}
 
 
 class UserError(ValueError):

@@ -3,7 +3,8 @@
 Training runs are the service's models; their checkpoints are directories under
 ``data_dir/runs`` (``checkpoints.py``). An external-weights checkpoint's files are fetched
 through signed URLs (``/api/v1/files/...?expires=&sig=``), which need no API key: the
-signature is the credential, and it names one file for one hour.
+signature is the credential, and it names one file for one hour (so is a session's exported
+trace, ``files/traces/...``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.tinker_api import checkpoints as ck
 from services.tinker_api import wire
 from services.tinker_api.losses import UserError
 from services.tinker_api.routes import Svc, parse, user_error
+from services.tinker_api.session_trace import TRACES
 
 FILES_PREFIX = "/api/v1/files/"
 
@@ -126,6 +128,11 @@ def rest_routes(svc: Svc) -> APIRouter:
     @r.get(FILES_PREFIX + "{rel:path}")
     async def signed_file(rel: str, expires: int, sig: str) -> Any:
         svc().signer.check(rel, expires, sig)
+        if rel.startswith(TRACES + "/"):  # a session's exported trace
+            target = cat.runs.parent / rel
+            if "/" in rel[len(TRACES) + 1:] or not target.is_file():
+                return user_error(f"no file {rel!r}", 404)
+            return FileResponse(target, media_type="application/json")
         model_id, kind, name, *rest = rel.split("/")
         root = await cat.checkpoint_dir(model_id, kind, name)
         target = (root / "/".join(rest)).resolve()

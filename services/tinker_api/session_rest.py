@@ -4,7 +4,8 @@ published checkpoints, and copies of weights.
 A session's record (Redis, ``tk:session:{id}``) holds what ``create_session`` sent (user
 metadata, display name, project) and when it last beat and finished; its training runs and
 sampling sessions are the models and samplers it created. There is one identity here (no
-accounts), so "own" and "accessible" sessions are all of them. A published checkpoint is a
+accounts), so "own" and "accessible" sessions are all of them. A session's trace is its recorded
+requests (``session_trace.py``). A published checkpoint is a
 flag on its listing. ``copy_weights`` makes a new session holding one training run (which
 cannot be trained: it has no operation log) whose checkpoint shares the source's files (hard
 links).
@@ -26,6 +27,7 @@ from services.tinker_api import checkpoints as ck
 from services.tinker_api import wire
 from services.tinker_api.losses import UserError
 from services.tinker_api.routes import Svc, parse, user_error
+from services.tinker_api.session_trace import write_trace
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 ACTIVE_S = 120.0  # a session that beat (or was created) this recently counts as running
@@ -145,6 +147,16 @@ def session_rest_routes(svc: Svc) -> APIRouter:
                 "sampler_ids": await sessions.members("sampler", session_id),
                 "user_metadata": _str_map(rec.get("user_metadata")), "display_name": rec.get("display_name")}
 
+    @r.get("/api/v1/sessions/{session_id}/trace_export")
+    async def trace_export(session_id: str, request: Request) -> Any:
+        try:
+            await sessions.record(session_id)
+        except LookupError:
+            return user_error(f"session_id: unknown session {session_id!r}", 404)
+        requests = await svc().store.session_requests(session_id)
+        rel = await asyncio.to_thread(write_trace, svc().workshop.runs.parent, session_id, requests)
+        return {"status": "ready", "url": svc().signer.url(str(request.base_url), rel)[0]}
+
     @r.put("/api/v1/sessions/{session_id}/project")
     async def assign_project(session_id: str, request: Request) -> Any:
         project = parse(wire.SessionProject, await request.body()).project_id
@@ -154,6 +166,20 @@ def session_rest_routes(svc: Svc) -> APIRouter:
             return user_error(f"session_id: unknown session {session_id!r}", 404)
         await svc().store.put("session", session_id, {**rec, "project_id": project})
         return None
+
+    @r.get("/api/v1/billing/usage/checkpoints/current")
+    async def checkpoint_storage(project_id: str | None = None) -> dict[str, Any]:
+        """The live checkpoints' count and bytes, by their session's project (no cost: no billing here)."""
+        groups: dict[str, list[int]] = {}
+        for sid, rec in await sessions.newest_first():
+            summary = await sessions.summary(sid, rec)
+            if project_id is None or summary["project_id"] == project_id:
+                group = groups.setdefault(summary["project_id"], [0, 0])
+                group[0] += summary["checkpoints_count"]
+                group[1] += summary["checkpoint_storage_bytes"]
+        return {"effective_rate_usd_per_gigabyte_month": None,
+                "data": [{"project_id": p, "org_user_urn": "local", "checkpoint_count": n, "size_bytes": b,
+                          "size_gigabytes": b / 1e9} for p, (n, b) in sorted(groups.items()) if n]}
 
     publish_routes(r, svc)
     copy_routes(r, svc)

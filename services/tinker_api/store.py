@@ -101,6 +101,15 @@ class Store:
             p.srem("tk:pending", rid)
             await p.execute()
 
+    async def session_requests(self, session_id: str) -> list[dict[str, bytes]]:
+        """Every request recorded in a session's operation logs (its models', sampling sessions', losses')."""
+        out = []
+        async for key in self.redis.scan_iter(match=f"tk:ops:{session_id}:*", count=500):
+            for rid in (await self.redis.hgetall(key)).values():
+                if (req := await self.request(rid.decode())) is not None:
+                    out.append(req)
+        return out
+
     async def pending(self) -> list[str]:
         return sorted(x.decode() for x in await self.redis.smembers("tk:pending"))
 
