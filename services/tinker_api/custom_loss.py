@@ -147,10 +147,10 @@ def reduce_metrics(per_datum: list[dict[str, torch.Tensor]]) -> dict[str, float]
     sums: dict[str, float] = {}
     for metrics in per_datum:
         for key, value in metrics.items():
-            v = value.detach().float().reshape(-1)
-            if v.numel() != 1:
-                raise UserError(f"custom loss metric {key!r} must be a scalar tensor, got shape {tuple(value.shape)}")
-            sums[key] = sums.get(key, 0.0) + float(v[0])
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise UserError(f"custom loss metric {key!r} must be a scalar tensor, got {got}")
+            sums[key] = sums.get(key, 0.0) + float(value.detach().float().reshape(-1)[0])
     return {k: v / len(per_datum) if k.endswith(":mean") else v for k, v in sums.items()}
 
 
