@@ -114,6 +114,14 @@ def rest_routes(svc: Svc) -> APIRouter:
                 "train_unembed": spec["train_unembed"], "train_mlp": spec["train_mlp"],
                 "train_attn": spec["train_attn"]}
 
+    file_routes(r, svc, cat)
+    checkpoint_lifetime_routes(r, svc, cat)
+    return r
+
+
+def file_routes(r: APIRouter, svc: Svc, cat: Catalog) -> None:
+    """Signed URLs to an external-weights checkpoint's files, and the files (or a session's trace) behind them."""
+
     @r.get("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/external_weights_urls")
     async def external_weights_urls(model_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
         if kind != "external_weights":
@@ -139,9 +147,6 @@ def rest_routes(svc: Svc) -> APIRouter:
         if not rest or not target.is_relative_to(root.resolve()) or not target.is_file():
             return user_error(f"no file {rel!r}", 404)
         return FileResponse(target)
-
-    checkpoint_lifetime_routes(r, svc, cat)
-    return r
 
 
 def checkpoint_lifetime_routes(r: APIRouter, svc: Svc, cat: Catalog) -> None:

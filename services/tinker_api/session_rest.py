@@ -1,5 +1,5 @@
 """The SDK's session and sharing routes (docs/architecture.md §12): sessions read and searched, projects,
-published checkpoints, and copies of weights.
+checkpoint storage by project, published checkpoints, and copies of weights.
 
 A session's record (Redis, ``tk:session:{id}``) holds what ``create_session`` sent (user
 metadata, display name, project) and when it last beat and finished; its training runs and
@@ -116,27 +116,6 @@ def session_rest_routes(svc: Svc) -> APIRouter:
             raise UserError("limit must be 1 or more and offset 0 or more")
         return {"sessions": [sid for sid, _ in (await sessions.newest_first())[offset:offset + limit]]}
 
-    @r.post("/api/v1/sessions/search")
-    async def search_sessions(request: Request) -> dict[str, Any]:
-        req = parse(wire.SessionSearch, await request.body())
-        if req.owner.get("type") == "user" and "local" not in req.owner.get("owner_urns", []):
-            return {"sessions": [], "next_cursor": None}
-        after = req.cursor and _order(datetime.fromisoformat(req.cursor["last_created_at"]),
-                                      req.cursor["last_session_id"])
-        page: list[dict[str, Any]] = []
-        for sid, rec in await sessions.newest_first():
-            if after and _order(_created(rec), sid) <= after:
-                continue
-            summary = await sessions.summary(sid, rec)
-            if _matches(req, sid, summary):
-                page.append(summary)
-            if len(page) > req.limit:
-                break
-        more = len(page) > req.limit
-        page = page[:req.limit]
-        cursor = {"last_created_at": page[-1]["created_at"], "last_session_id": page[-1]["session_id"]}
-        return {"sessions": page, "next_cursor": cursor if more else None}
-
     @r.get("/api/v1/sessions/{session_id}")
     async def get_session(session_id: str) -> Any:
         try:
@@ -167,6 +146,36 @@ def session_rest_routes(svc: Svc) -> APIRouter:
         await svc().store.put("session", session_id, {**rec, "project_id": project})
         return None
 
+    search_routes(r, sessions)
+    publish_routes(r, svc)
+    copy_routes(r, svc)
+    return r
+
+
+def search_routes(r: APIRouter, sessions: Sessions) -> None:
+    """Sessions searched (filters, newest first, cursor paging), and the checkpoint storage they hold."""
+
+    @r.post("/api/v1/sessions/search")
+    async def search_sessions(request: Request) -> dict[str, Any]:
+        req = parse(wire.SessionSearch, await request.body())
+        if req.owner.get("type") == "user" and "local" not in req.owner.get("owner_urns", []):
+            return {"sessions": [], "next_cursor": None}
+        after = req.cursor and _order(datetime.fromisoformat(req.cursor["last_created_at"]),
+                                      req.cursor["last_session_id"])
+        page: list[dict[str, Any]] = []
+        for sid, rec in await sessions.newest_first():
+            if after and _order(_created(rec), sid) <= after:
+                continue
+            summary = await sessions.summary(sid, rec)
+            if _matches(req, sid, summary):
+                page.append(summary)
+            if len(page) > req.limit:
+                break
+        more = len(page) > req.limit
+        page = page[:req.limit]
+        cursor = {"last_created_at": page[-1]["created_at"], "last_session_id": page[-1]["session_id"]}
+        return {"sessions": page, "next_cursor": cursor if more else None}
+
     @r.get("/api/v1/billing/usage/checkpoints/current")
     async def checkpoint_storage(project_id: str | None = None) -> dict[str, Any]:
         """The live checkpoints' count and bytes, by their session's project (no cost: no billing here)."""
@@ -180,10 +189,6 @@ def session_rest_routes(svc: Svc) -> APIRouter:
         return {"effective_rate_usd_per_gigabyte_month": None,
                 "data": [{"project_id": p, "org_user_urn": "local", "checkpoint_count": n, "size_bytes": b,
                           "size_gigabytes": b / 1e9} for p, (n, b) in sorted(groups.items()) if n]}
-
-    publish_routes(r, svc)
-    copy_routes(r, svc)
-    return r
 
 
 def publish_routes(r: APIRouter, svc: Svc) -> None:
