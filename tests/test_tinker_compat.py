@@ -20,9 +20,11 @@ SERVED, CLIENT, REFUSED, NA = "served", "client-side", "refused", "n.a."
 NOT_SERVED = "answered 404 in the SDK's error shape (`NotFoundError`), its seq_id freed"
 STATUS: dict[str, tuple[str, str]] = {
     "ServiceClient.close": (SERVED, "finishes the session: its models leave memory (tests/test_tinker_api.py)"),
-    "ServiceClient.copy_weights": (REFUSED, NOT_SERVED),
-    "ServiceClient.create_custom_loss": (REFUSED, NOT_SERVED + "; `forward_backward_custom` runs the loss "
-                                                 "client-side instead"),
+    "ServiceClient.copy_weights": (SERVED, "into a new session of the client's project: a hard-linked copy that "
+                                           "cannot be trained (tests/test_tinker_sessions.py)"),
+    "ServiceClient.create_custom_loss": (SERVED, "the traced graph is rebuilt from the server's op set "
+                                                "(services/tinker_api/custom_loss.py); anything else is a 400 "
+                                                "naming the node (tests/test_tinker_custom_loss.py)"),
     "ServiceClient.create_lora_training_client": (SERVED, "local directory or `--model` hub name"),
     "ServiceClient.create_rest_client": (CLIENT, ""),
     "ServiceClient.create_sampling_client": (SERVED, "base model or `tinker://` sampler path"),
@@ -32,10 +34,14 @@ STATUS: dict[str, tuple[str, str]] = {
     "ServiceClient.get_server_capabilities": (SERVED, "served models, hub names included"),
     "ServiceClient.get_telemetry": (CLIENT, "the events it posts are accepted and counted"),
     "TrainingClient.create_sampling_client": (SERVED, ""),
-    "TrainingClient.forward": (SERVED, "losses: cross_entropy, importance_sampling, ppo, cispo, dro, gspo"),
-    "TrainingClient.forward_backward": (SERVED, "as `forward`; `stable_reinforce` refused by name"),
-    "TrainingClient.forward_backward_custom": (SERVED, "the SDK's client-side path (a forward, then a weighted "
-                                                       "backward)"),
+    "TrainingClient.forward": (SERVED, "losses: cross_entropy, importance_sampling, ppo, cispo, dro, gspo, and "
+                                       "`custom` by its `loss_id`"),
+    "TrainingClient.forward_backward": (SERVED, "as `forward`; `stable_reinforce` refused by name: Tinker "
+                                                "publishes neither its objective nor the sampling-time records "
+                                                "it reads"),
+    "TrainingClient.forward_backward_custom": (SERVED, "a `create_custom_loss` handle runs on the server (one "
+                                                       "forward_backward); a plain callable takes the SDK's "
+                                                       "client-side path (a forward, then a weighted backward)"),
     "TrainingClient.get_console_url": (NA, "a link to Thinking Machines' console"),
     "TrainingClient.get_info": (SERVED, "`tokenizer_id` is the local directory"),
     "TrainingClient.get_telemetry": (CLIENT, ""),
@@ -58,31 +64,37 @@ STATUS: dict[str, tuple[str, str]] = {
     "SamplingClient.sample": (SERVED, "stop, seed, top-k/p, prompt logprobs and top-k prompt logprobs; "
                                       "`topk_sample_logprobs`, `target_prompt_logprobs`, `prompt_alt_tokens_k` "
                                       "refused with a user error"),
-    "RestClient.assign_session_project": (REFUSED, NOT_SERVED + " (no projects here)"),
-    "RestClient.copy_weights": (REFUSED, NOT_SERVED),
+    "RestClient.assign_session_project": (SERVED, "stored on the session (tests/test_tinker_sessions.py)"),
+    "RestClient.copy_weights": (SERVED, "to a destination project (a new session) or a session's model_seq_id; "
+                                        "hard links, no bytes copied"),
     "RestClient.delete_checkpoint": (SERVED, ""),
     "RestClient.delete_checkpoint_from_tinker_path": (SERVED, "tests/test_tinker_weights_out.py"),
-    "RestClient.export_session_trace": (REFUSED, NOT_SERVED),
+    "RestClient.export_session_trace": (SERVED, "the session's recorded requests as Chrome trace-event JSON "
+                                                "(Perfetto opens it), by signed URL"),
     "RestClient.get_audit_log": (NA, NOT_SERVED + " (no accounts here)"),
     "RestClient.get_billing_usage": (NA, NOT_SERVED + " (no billing here)"),
-    "RestClient.get_current_checkpoint_storage_usage": (NA, NOT_SERVED + " (no billing here)"),
+    "RestClient.get_current_checkpoint_storage_usage": (SERVED, "live checkpoints' count and bytes by project; "
+                                                               "no cost (no billing here)"),
     "RestClient.get_external_weights_urls": (SERVED, "signed URLs, one hour, no API key needed"),
     "RestClient.get_sampler": (SERVED, ""),
     "RestClient.get_server_capabilities": (SERVED, ""),
-    "RestClient.get_session": (REFUSED, NOT_SERVED),
+    "RestClient.get_session": (SERVED, "training runs, sampling sessions, user metadata, display name"),
     "RestClient.get_telemetry": (CLIENT, ""),
     "RestClient.get_training_run": (SERVED, ""),
     "RestClient.get_training_run_by_tinker_path": (SERVED, ""),
     "RestClient.get_weights_info_by_tinker_path": (SERVED, "tests/test_tinker_weights_out.py"),
     "RestClient.list_checkpoints": (SERVED, "tests/test_tinker_weights_out.py"),
-    "RestClient.list_sessions": (REFUSED, NOT_SERVED),
+    "RestClient.list_sessions": (SERVED, "newest first"),
     "RestClient.list_training_runs": (SERVED, "tests/test_tinker_weights_out.py"),
     "RestClient.list_user_checkpoints": (SERVED, "every model's checkpoints"),
-    "RestClient.publish_checkpoint_from_tinker_path": (REFUSED, NOT_SERVED + " (nothing is public here)"),
-    "RestClient.search_sessions": (REFUSED, NOT_SERVED),
+    "RestClient.publish_checkpoint_from_tinker_path": (SERVED, "the `public` flag of the checkpoint's listing"),
+    "RestClient.search_sessions": (SERVED, "one identity here (`local`): own and accessible are every session; "
+                                           "active = a heartbeat in the last 2 minutes"),
     "RestClient.set_checkpoint_ttl_from_tinker_path": (SERVED, "an expired checkpoint is deleted"),
-    "RestClient.unpublish_checkpoint_from_tinker_path": (REFUSED, NOT_SERVED + " (nothing is public here)"),
-    "RestClient.whoami": (REFUSED, NOT_SERVED + " (no accounts here)"),
+    "RestClient.unpublish_checkpoint_from_tinker_path": (SERVED, "clears the `public` flag"),
+    "RestClient.whoami": (REFUSED, "the SDK reads it from a JWT of Tinker's auth exchange; with API keys "
+                                   "(`pjwt_auth_enabled` off) the SDK raises its own error at once, sending "
+                                   "nothing (no accounts here)"),
 }
 
 

@@ -26,6 +26,7 @@ from services.tinker_api.losses import UserError
 from services.tinker_api.rest_routes import FILES_PREFIX, rest_routes
 from services.tinker_api.routes import user_error
 from services.tinker_api.service import TinkerService
+from services.tinker_api.session_rest import session_rest_routes
 from services.tinker_api.store import Store
 
 OPEN_PATHS = ("/api/v1/healthz", "/health")
@@ -85,5 +86,6 @@ def create_app(cfg: ServeConfig, redis_url: str) -> FastAPI:
     app.include_router(routes.training_routes(svc))
     app.include_router(routes.sampling_routes(svc))
     app.include_router(rest_routes(svc))
+    app.include_router(session_rest_routes(svc))
     app.include_router(routes.unserved_routes(svc))  # last: it matches every path
     return app

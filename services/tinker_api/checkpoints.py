@@ -47,11 +47,11 @@ def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def describe(model_id: str, kind: str, d: Path, expires_at: float | None) -> dict[str, Any]:
+def describe(model_id: str, kind: str, d: Path, expires_at: float | None, public: bool = False) -> dict[str, Any]:
     """One checkpoint as the SDK's ``types.Checkpoint``."""
     return {"checkpoint_id": f"{kind}/{d.name}", "checkpoint_type": KINDS[kind],
             "time": datetime.fromtimestamp(d.stat().st_mtime, UTC).isoformat(),
-            "tinker_path": f"tinker://{model_id}/{kind}/{d.name}", "size_bytes": dir_size(d), "public": False,
+            "tinker_path": f"tinker://{model_id}/{kind}/{d.name}", "size_bytes": dir_size(d), "public": public,
             "expires_at": None if expires_at is None else datetime.fromtimestamp(expires_at, UTC).isoformat()}
 
 

@@ -27,7 +27,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.tinker_api.losses import UserError, check_inputs, datum_loss
+from services.tinker_api.losses import UserError
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -169,8 +169,9 @@ class LoraClient:
             out.append(picked.reshape(targets.shape))
         return out
 
-    def forward_backward(self, data: list[Datum], loss_fn: str, cfg: dict[str, float], backward: bool
-                         ) -> tuple[list[torch.Tensor], float]:
+    def forward_backward(self, data: list[Datum], loss: Any, backward: bool
+                         ) -> tuple[list[torch.Tensor], float, dict[str, float]]:
+        """``loss`` is a ``BuiltinLoss`` or a ``CustomLoss``: checks each datum, gives its loss and metrics."""
         vocab = int(self.host.config.vocab_size)
         context = getattr(self.host.config, "max_position_embeddings", None)
         for i, d in enumerate(data):
@@ -182,18 +183,20 @@ class LoraClient:
             bad = [t for t in d.tokens if not 0 <= t < vocab]
             if bad:
                 raise UserError(f"data[{i}].model_input: token id {bad[0]} is outside the vocabulary ({vocab})")
-            check_inputs(loss_fn, len(d.tokens), d.inputs, i)
+            loss.check_datum(i, len(d.tokens), d.inputs)
             tt = d.inputs["target_tokens"]
             if bool(((tt < 0) | (tt >= vocab)).any()):
                 raise UserError(f"data[{i}].loss_fn_inputs.target_tokens: ids outside the vocabulary ({vocab})")
             d.inputs = {k: v.to(self.host.device) for k, v in d.inputs.items()}
         with torch.set_grad_enabled(backward):
             logps = self._logprobs(data)
-            total = sum(datum_loss(loss_fn, lp, d.inputs, cfg) for lp, d in zip(logps, data, strict=True))
+            outs = [loss(lp, d.inputs) for lp, d in zip(logps, data, strict=True)]
+            total = sum(x for x, _ in outs)
             assert isinstance(total, torch.Tensor)
+            metrics = loss.metrics([m for _, m in outs])
             if backward:
                 total.backward()  # adds to the gradients of earlier calls until optim_step
-        return [lp.detach().cpu() for lp in logps], float(total.detach())
+        return [lp.detach().cpu() for lp in logps], float(total.detach()), metrics
 
     def optim_step(self, params: dict[str, Any]) -> dict[str, float]:
         for group in self.optimizer.param_groups:

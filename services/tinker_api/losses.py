@@ -1,5 +1,7 @@
 """Tinker's built-in losses on one datum: cross_entropy, importance_sampling, ppo, cispo, dro and gspo.
 
+(``custom``, a loss the session uploaded, is ``custom_loss.py``'s.)
+
 Every loss is a SUM over the datum's tokens (Tinker's definition; the batch loss sums the
 datums), and each datum's ``loss_fn_inputs`` align with its ``model_input``: position i
 predicts ``target_tokens[i]``. PPO and CISPO reuse the algorithm registry's loss code
@@ -10,8 +12,8 @@ follow Tinker's published definitions (tinker-docs.thinkingmachines.ai/tinker/lo
 /gspo): DRO is ``-sum(lp * A - beta / 2 * (lp - q)^2)`` (``beta`` must be given: its default is
 not published); GSPO-token gives every token the sequence ratio ``exp(mean over
 sequence_ratio_mask of (lp - q))`` (all tokens when the mask is absent) with its own
-log-probability's gradient, clipped as PPO clips. ``stable_reinforce`` needs the sampler's
-stability records (``record_stability_info``), which are not kept here: it is refused by name.
+log-probability's gradient, clipped as PPO clips. ``stable_reinforce`` is refused by name: Tinker
+publishes neither its objective nor the sampling-time records (``record_stability_info``) it reads.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
 OPTIONAL_INPUTS = {"gspo": ("sequence_ratio_mask",)}
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 CLIPPED = ("ppo", "cispo", "gspo")
-REFUSED = {"stable_reinforce": "it needs the sampler's stability records (record_stability_info), which this "
-                               "server does not keep"}
+REFUSED = {"stable_reinforce": "Tinker publishes neither its objective nor the sampler's stability records "
+                               "(record_stability_info) it reads"}
 
 
 class UserError(ValueError):
@@ -47,8 +49,27 @@ class Conflict(UserError):
     """A ``seq_id`` already recorded with a different body: refused, the recorded request stands."""
 
 
+class BuiltinLoss:
+    """One of Tinker's built-in losses with its checked config, as the trainer calls it per datum."""
+
+    def __init__(self, loss_fn: str, config: dict[str, float | str]) -> None:
+        self.loss_fn, self.cfg = loss_fn, check_loss(loss_fn, config)
+
+    def check_datum(self, index: int, n_tokens: int, inputs: dict[str, torch.Tensor]) -> None:
+        check_inputs(self.loss_fn, n_tokens, inputs, index)
+
+    def __call__(self, logp: torch.Tensor, inputs: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return datum_loss(self.loss_fn, logp, inputs, self.cfg), {}
+
+    def metrics(self, per_datum: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        return {}
+
+
 def check_loss(loss_fn: str, config: dict[str, float | str]) -> dict[str, float]:
     """The loss's numeric config with defaults; a UserError naming the field otherwise."""
+    if loss_fn == "custom":
+        raise UserError("loss_fn_config.loss_id: a custom loss is named by the loss_id create_custom_loss returned")
     if loss_fn in REFUSED:
         raise UserError(f"loss_fn: {loss_fn!r} is not served by this Tandem server: {REFUSED[loss_fn]}")
     if loss_fn not in LOSS_INPUTS:

@@ -3,7 +3,8 @@
 Training runs are the service's models; their checkpoints are directories under
 ``data_dir/runs`` (``checkpoints.py``). An external-weights checkpoint's files are fetched
 through signed URLs (``/api/v1/files/...?expires=&sig=``), which need no API key: the
-signature is the credential, and it names one file for one hour.
+signature is the credential, and it names one file for one hour (so is a session's exported
+trace, ``files/traces/...``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.tinker_api import checkpoints as ck
 from services.tinker_api import wire
 from services.tinker_api.losses import UserError
 from services.tinker_api.routes import Svc, parse, user_error
+from services.tinker_api.session_trace import TRACES
 
 FILES_PREFIX = "/api/v1/files/"
 
@@ -47,11 +49,11 @@ class Catalog:
         return self.svc().workshop.runs
 
     async def checkpoints(self, model_id: str) -> list[dict[str, Any]]:
-        expiry = await self.svc().store.expiries()
+        expiry, public = await self.svc().store.expiries(), await self.svc().store.public()
 
         def scan() -> list[dict[str, Any]]:
-            return [ck.describe(model_id, kind, d, expiry.get(f"tinker://{model_id}/{kind}/{d.name}"))
-                    for kind, d in ck.checkpoint_dirs(self.runs, model_id)]
+            return [ck.describe(model_id, kind, d, expiry.get(path := f"tinker://{model_id}/{kind}/{d.name}"),
+                                path in public) for kind, d in ck.checkpoint_dirs(self.runs, model_id)]
 
         return await asyncio.to_thread(scan)
 
@@ -112,6 +114,14 @@ def rest_routes(svc: Svc) -> APIRouter:
                 "train_unembed": spec["train_unembed"], "train_mlp": spec["train_mlp"],
                 "train_attn": spec["train_attn"]}
 
+    file_routes(r, svc, cat)
+    checkpoint_lifetime_routes(r, svc, cat)
+    return r
+
+
+def file_routes(r: APIRouter, svc: Svc, cat: Catalog) -> None:
+    """Signed URLs to an external-weights checkpoint's files, and the files (or a session's trace) behind them."""
+
     @r.get("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/external_weights_urls")
     async def external_weights_urls(model_id: str, kind: str, name: str, request: Request) -> dict[str, Any]:
         if kind != "external_weights":
@@ -126,6 +136,11 @@ def rest_routes(svc: Svc) -> APIRouter:
     @r.get(FILES_PREFIX + "{rel:path}")
     async def signed_file(rel: str, expires: int, sig: str) -> Any:
         svc().signer.check(rel, expires, sig)
+        if rel.startswith(TRACES + "/"):  # a session's exported trace
+            target = cat.runs.parent / rel
+            if "/" in rel[len(TRACES) + 1:] or not target.is_file():
+                return user_error(f"no file {rel!r}", 404)
+            return FileResponse(target, media_type="application/json")
         model_id, kind, name, *rest = rel.split("/")
         root = await cat.checkpoint_dir(model_id, kind, name)
         target = (root / "/".join(rest)).resolve()
@@ -133,12 +148,17 @@ def rest_routes(svc: Svc) -> APIRouter:
             return user_error(f"no file {rel!r}", 404)
         return FileResponse(target)
 
+
+def checkpoint_lifetime_routes(r: APIRouter, svc: Svc, cat: Catalog) -> None:
+    """A checkpoint deleted, or given a TTL (an expired checkpoint is deleted by the reaper)."""
+
     @r.delete("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(model_id: str, kind: str, name: str) -> dict[str, Any]:
         root = await cat.checkpoint_dir(model_id, kind, name)
         await asyncio.to_thread(shutil.rmtree, root, True)
         await svc().samplers.forget([str(root)])
         await svc().store.set_expiry(f"tinker://{model_id}/{kind}/{name}", None)
+        await svc().store.set_public(f"tinker://{model_id}/{kind}/{name}", False)
         return {}
 
     @r.put("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
@@ -148,6 +168,4 @@ def rest_routes(svc: Svc) -> APIRouter:
         at = None if ttl is None else time.time() + ttl
         await svc().store.set_expiry(f"tinker://{model_id}/{kind}/{name}", at)
         return {}
-
-    return r
 

@@ -26,7 +26,7 @@ M = TypeVar("M", bound=BaseModel)
 Svc = Callable[[], TinkerService]
 LONG_POLL_S = 20.0
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
-                 "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                 "sample_use_retrieve_futures": False, "custom_loss_server_side": True,
                  "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True}
 
 
@@ -103,7 +103,8 @@ def session_routes(svc: Svc) -> APIRouter:
         req = parse(wire.CreateSession, await request.body())
         sid = uuid.uuid4().hex
         await svc().store.put("session", sid, {"tags": req.tags, "user_metadata": req.user_metadata,
-                                               "sdk_version": req.sdk_version, "created": time.time()})
+                                               "sdk_version": req.sdk_version, "project_id": req.project_id,
+                                               "display_name": req.display_name, "created": time.time()})
         return {"type": "create_session", "session_id": sid}
 
     @r.post("/api/v1/session_heartbeat")
@@ -185,10 +186,16 @@ def training_routes(svc: Svc) -> APIRouter:
             model_id, seq, _, _, _, _ = wire.decode_forward_backward(body)
             if seq < 1:
                 raise UserError("seq_id: must be 1 or more")
+            await svc().custom_loss(model_id, body)  # a custom loss it names is this session's
             rid = await svc().submit_op("forward_backward", model_id, seq, body, PROTO)
             return {"request_id": rid, "model_id": model_id}
 
         return await submitted(svc(), "forward_backward", body, True, submit)
+
+    @r.post("/api/v1/create_custom_loss")
+    async def create_custom_loss(request: Request) -> dict[str, Any]:
+        body = await request.body()
+        return {"request_id": await svc().create_custom_loss(parse(wire.CreateCustomLoss, body), body)}
 
     async def model_op(kind: str, request: Request, model: type[M]) -> dict[str, Any]:
         body = await request.body()

@@ -25,6 +25,7 @@ from typing import Any
 
 from services.tinker_api import wire
 from services.tinker_api.checkpoints import UrlSigner
+from services.tinker_api.custom_loss import CustomLoss
 from services.tinker_api.losses import Conflict, UserError
 from services.tinker_api.sampler import SamplerPool, sample
 from services.tinker_api.store import CONFLICT, NEW, Store
@@ -136,6 +137,38 @@ class TinkerService:
         self.ensure_runner(model_id)
         self._wake.setdefault(model_id, asyncio.Event()).set()
         return True
+
+    async def create_custom_loss(self, req: wire.CreateCustomLoss, body: bytes) -> str:
+        """Check the loss graph and store it (``{session}:loss:{seq}``); a refused one is recorded at its seq as
+        failed. The request is answered at once: its future is already done."""
+        if await self.store.get("session", req.session_id) is None:
+            raise UserError(f"session_id: unknown session {req.session_id!r}")
+        scope, seq = f"{req.session_id}:loss", req.custom_loss_seq_id
+        loss_id = f"{scope}:{seq}"
+        try:
+            CustomLoss(req.name, req.inputs, req.graph)
+        except UserError as exc:
+            await self.store.submit("create_custom_loss", scope, seq, body, JSON,
+                                    refused=_json({"error": str(exc), "category": "user"}))
+            raise
+        rid, outcome = await self.store.submit("create_custom_loss", scope, seq, body, JSON,
+                                               answered=_json({"loss_id": loss_id, "type": "create_custom_loss"}))
+        if outcome == CONFLICT:
+            raise Conflict(f"custom_loss_seq_id: {seq} of session {req.session_id} was already submitted with a "
+                           "different body (conflict: the first request stands)")
+        await self.store.put("loss", loss_id, {"loss_id": loss_id, "session_id": req.session_id, "name": req.name,
+                                               "inputs": req.inputs, "graph": req.graph}, only_new=True)
+        return rid
+
+    async def custom_loss(self, model_id: str, body: bytes) -> dict[str, Any] | None:
+        """The stored custom loss a forward_backward names (None for a built-in loss); it must be its session's."""
+        loss_id = wire.custom_loss_id(body)
+        if loss_id is None:
+            return None
+        record = await self.store.get("loss", loss_id)
+        if record is None or record["session_id"] != model_id.rsplit(":train:", 1)[0]:
+            raise UserError(f"loss_fn_config.loss_id: no custom loss {loss_id!r} in this model's session")
+        return record
 
     async def create_model(self, req: wire.CreateModel) -> tuple[str, str]:
         if await self.store.get("session", req.session_id) is None:
@@ -293,7 +326,7 @@ class TinkerService:
     async def _execute(self, kind: str, model_id: str, body: bytes) -> tuple[bytes, str]:
         w = self.workshop
         if kind == "forward_backward":
-            out, _ = await self._train(w.forward_backward, model_id, body)
+            out, _ = await self._train(w.forward_backward, model_id, body, await self.custom_loss(model_id, body))
             return out, PROTO
         if kind == "optim_step":
             return _json(await self._train(w.optim_step, model_id, wire.OptimStep.model_validate_json(body))), JSON

@@ -13,6 +13,8 @@
   (hashes of JSON fields): what each is, so they can be rebuilt after a restart.
 * ``tk:pending`` (set): requests without a result yet (a restart runs them).
 * ``tk:expiry`` (hash tinker path -> epoch seconds): the checkpoints saved or set with a TTL.
+* ``tk:public`` (hash tinker path -> 1): the published checkpoints.
+* ``tk:loss:{loss_id}``: a session's custom loss (``create_custom_loss``), as checked and stored.
 """
 
 from __future__ import annotations
@@ -65,17 +67,19 @@ class Store:
 
     # -- requests -----------------------------------------------------------------------
     async def submit(self, kind: str, scope: str, seq: int, body: bytes, ctype: str,
-                     refused: bytes | None = None) -> tuple[str, int]:
-        """Record a request under (scope, seq): pending, or already failed with ``refused`` (its error's JSON).
+                     refused: bytes | None = None, answered: bytes | None = None) -> tuple[str, int]:
+        """Record a request under (scope, seq): pending, already failed with ``refused`` (its error's JSON), or
+        already done with ``answered`` (its result's JSON: a request answered at submission).
 
         Returns (request_id, NEW | SEEN (a retry of the same body) | CONFLICT (another body at that seq))."""
         rid = request_id(scope, seq)
         fields: dict[str, Any] = {"kind": kind, "scope": scope, "seq": str(seq), "body": body, "ctype": ctype,
                                   "digest": digest(body, ctype), "at": str(time.time())}
-        if refused is None:
+        if refused is None and answered is None:
             fields["state"] = "pending"
         else:
-            fields.update(state="failed", result=refused, rctype="application/json", done_at=fields["at"])
+            fields.update(state="failed" if answered is None else "done", result=refused or answered,
+                          rctype="application/json", done_at=fields["at"])
         flat: list[Any] = [x for kv in fields.items() for x in kv]
         outcome = await self._submit(keys=[f"tk:req:{rid}", f"tk:ops:{scope}", "tk:pending"],
                                      args=[str(seq), rid, fields["digest"], fields["state"], *flat])
@@ -96,6 +100,15 @@ class Store:
                                              "rctype": rctype, "done_at": str(time.time())})
             p.srem("tk:pending", rid)
             await p.execute()
+
+    async def session_requests(self, session_id: str) -> list[dict[str, bytes]]:
+        """Every request recorded in a session's operation logs (its models', sampling sessions', losses')."""
+        out = []
+        async for key in self.redis.scan_iter(match=f"tk:ops:{session_id}:*", count=500):
+            for rid in (await self.redis.hgetall(key)).values():
+                if (req := await self.request(rid.decode())) is not None:
+                    out.append(req)
+        return out
 
     async def pending(self) -> list[str]:
         return sorted(x.decode() for x in await self.redis.smembers("tk:pending"))
@@ -128,6 +141,16 @@ class Store:
 
     async def expiries(self) -> dict[str, float]:
         return {k.decode(): float(v) for k, v in (await self.redis.hgetall("tk:expiry")).items()}
+
+    async def set_public(self, tinker_path: str, public: bool) -> None:
+        """A checkpoint published (listed ``public``) or not, in ``tk:public``."""
+        if public:
+            await self.redis.hset("tk:public", tinker_path, "1")
+        else:
+            await self.redis.hdel("tk:public", tinker_path)
+
+    async def public(self) -> set[str]:
+        return {k.decode() for k in await self.redis.hkeys("tk:public")}
 
     async def names(self, kind: str) -> list[str]:
         """The keys of every ``tk:{kind}:*`` record (a SCAN)."""

@@ -31,6 +31,31 @@ class CreateSession(Body):
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
     sdk_version: str = ""
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionProject(Body):
+    project_id: str = Field(min_length=1)
+
+
+class SessionSearch(Body):
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = {}
+    display_name: str | None = Field(None, min_length=1)
+    owner: dict[str, Any] = {"type": "own"}
+    statuses: list[dict[str, Any]] | None = Field(None, min_length=1)
+    limit: int = Field(50, ge=1, le=200)
+    cursor: dict[str, Any] | None = None
+
+
+class CopyWeights(Body):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: int | None = Field(None, ge=0)
+    destination_project_id: str | None = None
+    ttl_seconds: int | None = None
 
 
 class SessionRef(Body):
@@ -52,6 +77,14 @@ class CreateModel(Body):
     lora_config: LoraSpec | None = None
     optimizer_config: dict[str, Any] | None = None
     user_metadata: dict[str, Any] | None = None
+
+
+class CreateCustomLoss(Body):
+    session_id: str
+    custom_loss_seq_id: int = Field(ge=0)
+    name: str = Field(min_length=1, max_length=200)
+    inputs: list[dict[str, Any]]
+    graph: dict[str, Any]
 
 
 class ModelRef(Body):
@@ -218,12 +251,29 @@ def sequence_ref(body: bytes, proto: bool) -> tuple[str, int] | None:
     return None
 
 
-def decode_forward_backward(body: bytes) -> tuple[str, int, str, dict[str, float | str], list[Datum], bool]:
-    """(model_id, seq_id, loss_fn, loss_fn_config, data, forward_only) from the protobuf body."""
-    msg = parse_forward_backward(body)
+def loss_config(msg: Any) -> dict[str, float | str]:
+    """A ForwardBackwardRequest's loss_fn_config: the v2 map (numbers and text) over the float-only one."""
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    return config
+
+
+def custom_loss_id(body: bytes) -> str | None:
+    """The ``loss_id`` a ``custom`` forward_backward names; None for a built-in loss."""
+    msg = parse_forward_backward(body)
+    if msg.loss_fn != "custom":
+        return None
+    loss_id = loss_config(msg).get("loss_id")
+    if not isinstance(loss_id, str) or not loss_id:
+        raise UserError("loss_fn_config.loss_id: a custom loss is named by the loss_id create_custom_loss returned")
+    return loss_id
+
+
+def decode_forward_backward(body: bytes) -> tuple[str, int, str, dict[str, float | str], list[Datum], bool]:
+    """(model_id, seq_id, loss_fn, loss_fn_config, data, forward_only) from the protobuf body."""
+    msg = parse_forward_backward(body)
+    config = loss_config(msg)
     data = []
     for i, d in enumerate(msg.data):
         tokens: list[int] = []

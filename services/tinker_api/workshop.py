@@ -27,8 +27,9 @@ import torch
 
 from services.tinker_api import wire
 from services.tinker_api.checkpoints import parse_path, write_adapter
+from services.tinker_api.custom_loss import CustomLoss
 from services.tinker_api.lora_host import STATE_FILE, BaseHost, LoraClient
-from services.tinker_api.losses import UserError, check_loss
+from services.tinker_api.losses import BuiltinLoss, UserError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -49,6 +50,7 @@ class Workshop:
         self.runs.mkdir(parents=True, exist_ok=True)
         self.hosts: dict[str, BaseHost] = {}
         self.clients: dict[str, LoraClient] = {}
+        self.losses: dict[str, CustomLoss] = {}  # loss_id -> the checked graph (built once)
 
     # -- paths ----------------------------------------------------------------------------
     def tinker_path(self, model_id: str, kind: str, name: str) -> str:
@@ -95,11 +97,18 @@ class Workshop:
         return {"adapter_params": n, "adapter_bytes": n * 4, "optimizer_bytes": 2 * n * 4}
 
     # -- training -------------------------------------------------------------------------
-    def forward_backward(self, model_id: str, body: bytes) -> tuple[bytes, float]:
+    def forward_backward(self, model_id: str, body: bytes, custom: dict[str, Any] | None = None
+                         ) -> tuple[bytes, float]:
+        """One forward(_backward); ``custom`` is the stored record of the custom loss the request names."""
         _, _, loss_fn, config, data, forward_only = wire.decode_forward_backward(body)
-        cfg = check_loss(loss_fn, config)
-        logps, loss = self.client(model_id).forward_backward(data, loss_fn, cfg, backward=not forward_only)
-        return wire.encode_forward_backward(logps, {"loss:sum": loss}), loss
+        loss: BuiltinLoss | CustomLoss = BuiltinLoss(loss_fn, config) if custom is None else self.custom_loss(custom)
+        logps, total, metrics = self.client(model_id).forward_backward(data, loss, backward=not forward_only)
+        return wire.encode_forward_backward(logps, {"loss:sum": total, **metrics}), total
+
+    def custom_loss(self, record: dict[str, Any]) -> CustomLoss:
+        if record["loss_id"] not in self.losses:
+            self.losses[record["loss_id"]] = CustomLoss(record["name"], record["inputs"], record["graph"])
+        return self.losses[record["loss_id"]]
 
     def optim_step(self, model_id: str, req: wire.OptimStep) -> dict[str, Any]:
         if req.optimizer_params is not None and req.optimizer_params.get("type", "adamw") != "adamw":
