@@ -104,7 +104,8 @@ def test_verbose_is_accepted_and_logs_land_in_the_run_directory(tmp_path: Path) 
             "print('06:30:02 WARNING tandem.rollout: slow reply'); "
             "print('Traceback (most recent call last):'); print('  File \"x.py\", line 1'); "
             "print('ValueError: broken'); print('06:30:03 INFO tandem.rollout: goes on'); "
-            "[print('WARN worker http://127.0.0.1:5 will be accessible without authentication') for _ in 'ab']")
+            "[print('WARN worker http://127.0.0.1:5 will be accessible without authentication') for _ in 'ab']; "
+            "[print('WARNING:  Invalid HTTP request received.') for _ in 'abc']")
     for verbose in (False, True):
         logs = tmp_path / f"runs-{verbose}" / "demo" / "logs"
         console = Console(width=120, record=True, force_terminal=False, color_system=None)
@@ -120,3 +121,5 @@ def test_verbose_is_accepted_and_logs_land_in_the_run_directory(tmp_path: Path) 
         assert ("engine up" in shown) is verbose and ("goes on" in shown) is verbose
         assert shown.count("(harmless: the SGLang router warns") == 1  # a known warning: explained once
         assert shown.count("accessible without authentication") == (2 if verbose else 1)
+        assert shown.count("(harmless: an engine's web server (uvicorn) logs the SGLang router's gRPC probe") == 1
+        assert shown.count("Invalid HTTP request received") == (3 if verbose else 1)

@@ -31,6 +31,8 @@ KNOWN_HARMLESS = {
     "accessible without authentication": "the SGLang router warns that it adds engines without an API key; "
                                          "the engines listen on 127.0.0.1 only, and the router itself checks "
                                          "the run's token",
+    "Invalid HTTP request received": "an engine's web server (uvicorn) logs the SGLang router's gRPC probe, "
+                                     "sent when the router registers the engine to tell HTTP from gRPC apart",
 }
 SEVERE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL)\b|\w(Warning|Error|Exception)\b:")
 
