@@ -4,9 +4,12 @@ unless the rollout's fleet has already killed and restarted it (docs/guides/reco
 
 Asserted: ``/v1/status`` names the silent engine (``silent_s``; the live view's line, ``silent_engines``) within
 ``NAMED_WITHIN_S``; the fleet restarts it within ``RESTART_WITHIN_S`` (its ``max_failures`` x ``health_timeout``
-plus the engine's start); agent A trains on while B's engine is stopped (the demo's matchups put one agent
-in each group); the run finishes every step of both agents; the audit of the run's AOF finds no sample
-lost and none trained twice. Printed: the seconds to the message and to the restart, and the audit.
+plus the engine's start); B trains again within ``RESUMED_WITHIN_S`` of the restart (its failed turns are
+held for the fleet); agent A's steps advance while B's engine is stopped (only those of A's groups that get
+launched: the coordinator launches groups in order, so A's next group waits behind B's held one, each B group
+until its group timeout); the run finishes every step of both agents; the audit of the run's AOF finds no
+sample lost and none trained twice. Printed: the seconds to the message, to the restart and to B's next step,
+A's steps during the stop, and the audit.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from tests.helpers import launch_up
 
 pytestmark = pytest.mark.slow
 STOP_S = 90.0
-STEPS = int(os.environ.get("TANDEM_STALL_STEPS", "40"))
+STEPS = int(os.environ.get("TANDEM_STALL_STEPS", "60"))  # the run outlasts the stop
 NAMED_WITHIN_S = SILENT_NAMED_S + 10.0  # the check interval (1 s) and the rollout's load report (every 2 s)
 RESTART_WITHIN_S = 3 * 20.0 + 1.0 + 20.0  # max_failures x health_timeout + the interval, and the engine's start
+RESUMED_WITHIN_S = 30.0  # from the engine back to B's next step: a group's remaining turns and a train step
 
 
 def start_time(pid: int) -> str | None:
@@ -58,18 +62,26 @@ def status_of(api: str) -> dict | None:
 
 
 def stall(proc, obs: fi.Observer, api: str) -> dict:
-    """SIGSTOP B's engine; watch the status for its name and its restart, and A's steps, for ``STOP_S`` seconds;
-    then SIGCONT it if it is still the stopped process."""
+    """SIGSTOP B's engine; watch the status for its name and its restart, A's steps, and B's next step, for
+    ``STOP_S`` seconds (then SIGCONT it if it is still the stopped process) and on until B trains again."""
     pid = fi.victim(proc.pid, "engine", "B")
     assert pid is not None, fi.descendants(proc.pid)
     born = start_time(pid)
     got: dict = {"named_s": None, "named_line": None, "restart_s": None, "a_steps_before": obs.steps(("A",)),
-                 "b_steps_before": obs.steps(("B",)), "status_while_silent": None}
+                 "b_steps_before": obs.steps(("B",)), "status_while_silent": None, "b_step_s": None}
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        while (now := time.monotonic() - t0) < STOP_S:
-            assert proc.poll() is None, f"the launcher exited {proc.returncode} while B's engine was stopped"
+        while (now := time.monotonic() - t0) < STOP_S or (got["b_step_s"] is None and now < STOP_S + 240):
+            if proc.poll() is not None:  # the run ended (its exit code is checked below)
+                break
+            if now >= STOP_S and "fleet_killed_it" not in got:
+                got["fleet_killed_it"] = start_time(pid) != born
+                if not got["fleet_killed_it"]:
+                    os.kill(pid, signal.SIGCONT)
+            if got["restart_s"] is not None and got["b_step_s"] is None and \
+                    (obs.steps(("B",)) or 0) > (got["b_steps_at_restart"] or 0):
+                got["b_step_s"] = now  # B's first step after its engine is back
             status = status_of(api)
             lines = [line for line in silent_engines(status) if " of B:" in line]
             if got["named_s"] is None and lines:
@@ -77,11 +89,13 @@ def stall(proc, obs: fi.Observer, api: str) -> dict:
             back = [e for e in b_engines(status) if int(e.get("restarts") or 0) >= 1 and e.get("healthy")]
             if got["restart_s"] is None and back:
                 got["restart_s"], got["a_steps_at_restart"] = now, obs.steps(("A",))
+                got["b_steps_at_restart"] = obs.steps(("B",))
             time.sleep(0.5)
     finally:
-        got["fleet_killed_it"] = start_time(pid) != born
-        if not got["fleet_killed_it"]:
-            os.kill(pid, signal.SIGCONT)
+        if "fleet_killed_it" not in got:
+            got["fleet_killed_it"] = start_time(pid) != born
+            if not got["fleet_killed_it"]:
+                os.kill(pid, signal.SIGCONT)
     got["a_steps_after_stop"], got["b_steps_after_stop"] = obs.steps(("A",)), obs.steps(("B",))
     return got
 
@@ -131,7 +145,9 @@ def run(tmp_path_factory, tiny_model_dir):
           f"({observed['named_line']!r}), restarted after {observed['restart_s']}s, fleet killed it: "
           f"{observed['fleet_killed_it']}; A steps {observed['a_steps_before']} -> "
           f"{observed.get('a_steps_at_restart')} (at the restart) -> {observed['a_steps_after_stop']}, "
-          f"B steps {observed['b_steps_before']} -> {observed['b_steps_after_stop']}")
+          f"B steps {observed['b_steps_before']} -> {observed.get('b_steps_at_restart')} -> "
+          f"{observed['b_steps_after_stop']}, B's next step after "
+          f"{observed['b_step_s']}s")
     for a, state in observed["states"].items():
         print(f"  audit {a}: {aof_audit.account(state).counts()} {dict(aof_audit.reasons(state))}; groups "
               f"abandoned unplayed: {dict(aof_audit.ledger_reasons(state))}")
@@ -149,6 +165,12 @@ def test_the_fleet_restarts_the_hung_engine_within_its_bound(run):
     assert "failed 3 health checks in a row: restarting it" in run["rollout_log"]
     assert "is back (restart 1)" in run["rollout_log"]
     assert run["summary"]["restarts"].get("engines.B", 0) >= 1, run["summary"]["restarts"]
+
+
+def test_b_trains_again_soon_after_its_engine_is_back(run):
+    """Its turns that failed meanwhile were held for the fleet, not left to the bus's reclaim (minutes here)."""
+    assert run["b_step_s"] is not None and run["restart_s"] is not None, run
+    assert run["b_step_s"] - run["restart_s"] <= RESUMED_WITHIN_S, (run["b_step_s"], run["restart_s"])
 
 
 def test_agent_a_trains_on_while_b_s_engine_is_stopped(run):
