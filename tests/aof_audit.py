@@ -187,6 +187,7 @@ def reasons(state: AgentState) -> Counter[str]:
 
 def ledger_reasons(state: AgentState) -> Counter[str]:
     """Groups the coordinator abandoned before emitting any sample (no sample of them reached the buffer), per
-    reason (its first words): the work a fault cost without a sample to account for."""
-    return Counter(str(e.get("reason") or "").split(":")[0] for g, e in state.ledger.items()
+    reason (its first words): the work a fault cost without a sample to account for. The ledger's entries still in
+    Redis and those it archived (pruned past the staleness horizon) alike."""
+    return Counter(str(e.get("reason") or "").split(":")[0] for g, e in {**state.archived, **state.ledger}.items()
                    if e.get("state") == "abandoned" and g not in state.verdicts)

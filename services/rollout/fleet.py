@@ -46,6 +46,7 @@ from services.rollout.engine_client import EngineClient
 from services.rollout.spawn import Proc, Spawned, plan, spawn
 
 HEALTH_POLL_S = 0.05  # how often a starting engine's /health is asked (a refused connection costs microseconds)
+SUSPECT_S = 5.0  # an engine whose health check has hung this long is taken as recovering
 
 log = logging.getLogger("tandem.rollout.fleet")
 
@@ -307,6 +308,12 @@ class EngineFleet:
 
     def healthy(self) -> int:
         return sum(1 for e in self.engines if e.registered)
+
+    def recovering(self) -> bool:
+        """Whether an engine is out of the router (restarting), failing its health checks, or has passed none
+        for ``SUSPECT_S`` (a check that hangs): generation that fails meanwhile is held for it (the rollout)."""
+        now = time.monotonic()
+        return any(not e.registered or e.failures or now - e.last_ok > SUSPECT_S for e in self.engines)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each engine's state; ``silent_s`` grows from its last passed health check while a check hangs (a

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
+import time
 from collections.abc import Awaitable
 
 import httpx
@@ -53,6 +55,7 @@ from services.rollout.limiter import InflightLimiter
 from services.rollout.spawn import Spawned
 
 RETRIES = 5
+HOLD_FOR_FLEET_S = 180.0  # how long a failing turn is retried while the fleet recovers an engine
 LOAD_EVERY_S = 2.0
 log = logging.getLogger("tandem.rollout")
 
@@ -140,10 +143,14 @@ class RolloutService:
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """The router's answer, retried with backoff; a request the engine rejects is answered with the error
-        and then rejected; a router down for every retry leaves the turn pending (RetryLater)."""
+        and then rejected; a router down for every retry leaves the turn pending (RetryLater). While the fleet
+        is recovering an engine (hung or restarting), retries go on for up to ``HOLD_FOR_FLEET_S``: the turn is
+        generated once the engine is back, not after the bus's reclaim idle time (which a hung engine's long
+        handlers raise to minutes)."""
         sampling = req.sampling.model_dump(exclude={"seed"}) | (
             {"sampling_seed": req.sampling.seed} if req.sampling.seed is not None else {})
-        for attempt in range(RETRIES):
+        started = time.monotonic()
+        for attempt in itertools.count():
             try:
                 served = self.sync.serving()  # the adapter this attempt is generated under (None: the base)
                 async with self.limiter:
@@ -159,8 +166,14 @@ class RolloutService:
                 if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
                     await self.answer_error(req, str(exc))
                     raise Reject(str(exc)) from exc
-                log.warning("generate failed (attempt %d): %s", attempt + 1, exc)
-                await asyncio.sleep(0.2 * 2 ** attempt)
+                held = self.fleet is not None and self.fleet.recovering() and \
+                    time.monotonic() - started < HOLD_FOR_FLEET_S
+                if attempt + 1 >= RETRIES and not held:
+                    break
+                if attempt < RETRIES or attempt % 10 == 0:
+                    log.warning("generate failed (attempt %d%s): %s", attempt + 1,
+                                ", held while an engine recovers" if held else "", exc)
+                await asyncio.sleep(min(0.2 * 2 ** attempt, 2.0))
         raise RetryLater("router unavailable")
 
     def reply_problem(self, res: GenerateResult) -> str | None:

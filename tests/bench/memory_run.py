@@ -9,7 +9,9 @@ least-squares line through (step, used_memory) past ``--warmup`` steps, in MB pe
 standard error; the same slope per key family (what still grows, and by how much); and the slope without the
 done-id sets, which are pruned by time (the stream's retention minus the producers' 600 s retry window,
 services/common/retention.py) and so level off only in runs longer than that window (``--warmup-s``
-fits only the points sampled after that many seconds).
+fits only the points sampled after that many seconds; ``--grace-s`` sets that window, ``run.done_ids_grace_s``).
+At the end it counts the done-id sets' ids and bytes and the messages handled (for the plateau formula in
+docs/guides/recovery.md: grace x message rate x bytes per id).
 
     PYTHONPATH=$PWD python tests/bench/memory_run.py --steps 200 --out build/memory_run.json
 """
@@ -41,7 +43,9 @@ RUN = "memory"
 
 
 def write_config(d: Path, model: Path, args: argparse.Namespace) -> Path:
-    agent = {"model_path": str(model), "groups_per_batch": 1, "max_staleness": 1, "sampling": {"max_new_tokens": 4}}
+    # the untrained tiny model's replies are all illegal (no learning signal): the run must not stop for that
+    agent = {"model_path": str(model), "groups_per_batch": 1, "max_staleness": 1, "sampling": {"max_new_tokens": 4},
+             "max_no_signal_steps": 0}
     cfg = {"run": {"name": RUN, "total_steps": args.steps, "concurrent_episodes": 8,
                    "checkpoint_root": str(d / "ckpt"), "output_dir": str(d / "runs"),
                    "trim_interval_s": args.trim_interval_s, "transcripts_kept": args.transcripts_kept},
@@ -49,6 +53,8 @@ def write_config(d: Path, model: Path, args: argparse.Namespace) -> Path:
            "environment": {"name": "tictactoe", "group_size": args.group_size, "roles": {"X": "A", "O": "B"},
                            "alternate_roles": True, "eval": {"episodes": 0}},
            "agents": {"A": dict(agent), "B": dict(agent)}}
+    if args.grace_s:  # run.done_ids_grace_s: how long the done-id sets keep an id past its stream's retention
+        cfg["run"]["done_ids_grace_s"] = args.grace_s
     if args.state_kept_steps:  # 0: leave it out (code from before the knob, for a side-by-side run)
         cfg["run"]["state_kept_steps"] = args.state_kept_steps
     path = d / "memory.yaml"
@@ -100,6 +106,21 @@ def is_done_set(family: str) -> bool:
     return ":done:" in family
 
 
+def done_ids(client: redis.Redis) -> dict[str, float]:
+    """The ids in every done-id set, their bytes, and the messages handled so far: each stream's entries ever
+    added (``XINFO STREAM`` entries-added) once per consumer group reading it (the plateau formula's rate)."""
+    ids = size = handled = 0
+    for key in client.scan_iter(match=f"tandem:{RUN}:*", count=1000):
+        kind = client.type(key)
+        if kind == b"zset" and b":done:" in key:
+            ids += int(client.zcard(key))
+            size += int(client.memory_usage(key) or 0)
+        elif kind == b"stream":
+            added = int(client.xinfo_stream(key).get("entries-added") or 0)
+            handled += added * len(client.xinfo_groups(key))
+    return {"ids": ids, "bytes": size, "handled": handled}
+
+
 def run(args: argparse.Namespace) -> dict:
     from services.demo.tiny_model import create_tiny_model
 
@@ -127,11 +148,12 @@ def run(args: argparse.Namespace) -> dict:
                 last = step
             time.sleep(0.25)
         families.append((trained_steps(client), key_families(client)))
+        ids = {**done_ids(client), "wall_s": round(time.time() - started, 1)}
     finally:
         group.stop_all()
         client.close()
         server.stop()
-    return summarise(args, points, families, d)
+    return {**summarise(args, points, families, d), "done_ids_at_end": ids}
 
 
 def summarise(args: argparse.Namespace, points: list[tuple[int, int, float]],
@@ -175,6 +197,7 @@ def main() -> None:
     p.add_argument("--trim-interval-s", type=float, default=5.0)
     p.add_argument("--family-every", type=int, default=10, help="sample key families every N steps")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="stop sampling after this long")
+    p.add_argument("--grace-s", type=float, default=0.0, help="run.done_ids_grace_s (0: the default, 600 s)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     result = run(args)
