@@ -183,8 +183,8 @@ def metrics_page() -> str:
     from prometheus_client.metrics import MetricWrapperBase
 
     from services.common import metrics
-    from services.common.metrics import RunMetrics
     from services.contracts.config import parse_config
+    from services.coordinator.run_metrics import RunMetrics
     from services.coordinator.state import RunState
 
     cfg = parse_config({"run": {"name": "reference"}, "environment": {"name": "tictactoe", "roles": {
@@ -192,7 +192,7 @@ def metrics_page() -> str:
     run = RunMetrics()
     run.update(RunState.from_config(cfg), {}, [], now=0.0)
     lines = ["# Metrics reference", "", "Prometheus series, declared with `prometheus_client` "
-             "(`services/common/metrics.py`).", ""]
+             "(`services/coordinator/run_metrics.py` per run, `services/common/metrics.py` per process).", ""]
     per_process = [(m._name, m._type, m._labelnames, m._documentation) for m in vars(metrics).values()
                    if isinstance(m, MetricWrapperBase)]
     per_run = [(f.name, f.type, getattr(f, "_labelnames", ()), f.documentation) for f in run.registry.collect()]

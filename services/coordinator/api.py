@@ -20,12 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.common.admin_token import authorized
-from services.common.metrics import SERVICE_STARTS, RunMetrics
+from services.common.metrics import SERVICE_STARTS
 from services.common.reconnect import REDIS_DOWN
 from services.contracts.messages import Control
 from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.dashboard.routes import episode_record
 from services.coordinator.errors import responses
+from services.coordinator.run_metrics import RunMetrics
 from services.coordinator.scheduler import Coordinator
 from services.coordinator.train_play import curve
 
@@ -82,7 +83,7 @@ def _probe_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.get("/metrics", response_class=Response, responses=responses(503))
     async def prometheus(request: Request) -> Response:
-        """The run's Prometheus series (services/common/metrics.py), from the run state at this scrape."""
+        """The run's Prometheus series (services/coordinator/run_metrics.py), from the run state at this scrape."""
         await run_metrics.read_dead_letters(coord.bus.redis, coord.bus.streams.deadletter, coord.cfg.agents)
         await run_metrics.read_starts(coord.bus.redis, coord.bus.streams.key(SERVICE_STARTS))
         run_metrics.update(coord.state, coord.episodes, coord.evals)
