@@ -11,6 +11,7 @@ metrics from the Prometheus registries, the streams from the flow table and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
@@ -155,14 +156,16 @@ def config_page() -> str:
 # --- the control API -----------------------------------------------------------------------------------
 def api_page() -> str:
     from services.contracts.config import parse_config
-    from services.coordinator.api import create_app
+    from services.coordinator.api import ApiParts, build_app
     from services.envs.registry import check_environment_config
 
     cfg = parse_config({"run": {"name": "reference"}, "environment": {"name": "tictactoe", "roles": {"X": "A"}},
                         "agents": {"A": {"model_path": "model"}}} | {"environment": {
                             "name": "tictactoe", "roles": {"X": "A", "O": "scripted:random"}}})
     # the routes and their declared models only: no run is started, no handler is called
-    doc = create_app(SimpleNamespace(cfg=cfg, env_cls=check_environment_config(cfg.environment))).openapi()
+    parts = dict.fromkeys(f.name for f in dataclasses.fields(ApiParts)) | {
+        "cfg": cfg, "env_cls": check_environment_config(cfg.environment)}
+    doc = build_app(SimpleNamespace(**parts)).openapi()
     lines = ["# Control API reference", "", cell(doc["info"].get("description", "")) + " The coordinator serves it "
              "on `api.host:api.port` (the demo: `http://127.0.0.1:8900`), with the interactive OpenAPI page at "
              "`/docs` and the document at `/openapi.json`. With `api.token` set, the routes marked *token* need "
