@@ -27,6 +27,7 @@ from services.common.reconnect import REDIS_DOWN
 from services.contracts.config import TandemConfig
 from services.contracts.messages import Control
 from services.contracts.players import Player
+from services.contracts.status import RunStatus
 from services.coordinator.dashboard import DashboardSource
 from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.dashboard.routes import episode_record
@@ -145,14 +146,16 @@ def _read_routes(app: FastAPI, state: RunState, kept: EpisodeLog, evals: Evaluat
                  guard: list[Any]) -> None:
     """The run's status, episodes (full transcripts) and metrics: behind the token when one is configured."""
 
-    @app.get("/v1/status", dependencies=guard, responses=responses(401))
-    async def status() -> dict[str, Any]:
+    @app.get("/v1/status", dependencies=guard, responses=responses(401), response_model=RunStatus,
+             response_model_exclude_unset=True)  # an older run's evaluation lacks the keys added since
+    async def status() -> RunStatus:
         """The run's state (in memory); while Redis is unavailable its Redis-backed counts are null."""
         try:
             rejected, redis = await replies.counts(), "ok"  # engine replies refused (replies.py)
         except REDIS_DOWN as exc:
             rejected, redis = None, f"unavailable: {exc}"
-        return {**state.status(), "evals": evals.entries, "rejected_replies": rejected, "redis": redis}
+        return RunStatus.model_validate({**state.status(), "evals": evals.entries, "rejected_replies": rejected,
+                                         "redis": redis})
 
     @app.get("/v1/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
