@@ -13,11 +13,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class Open(BaseModel):
+class StatusModel(BaseModel):
+    """A part of the status: declared keys, and any key added later kept as it is."""
+
     model_config = ConfigDict(extra="allow")
 
 
-class GateStatus(Open):
+class GateStatus(StatusModel):
     """An agent's staleness gate (docs/architecture.md §4)."""
 
     open: bool = Field(description="no new group would be generated more than max_staleness versions behind")
@@ -27,7 +29,7 @@ class GateStatus(Open):
     held_back_by: dict[str, int] = Field(description="agent whose gate held one of this agent's groups back -> groups")
 
 
-class AgentStatus(Open):
+class AgentStatus(StatusModel):
     """One training agent: its steps, versions, groups, rewards, evaluations, play and pipeline."""
 
     step: int = Field(description="train steps reported")
@@ -47,7 +49,7 @@ class AgentStatus(Open):
     gate: GateStatus
 
 
-class WaitingGroup(Open):
+class WaitingGroup(StatusModel):
     """The next group while a staleness gate holds its launch."""
 
     index: int
@@ -56,7 +58,7 @@ class WaitingGroup(Open):
     waiting_s: float
 
 
-class EvalReport(Open):
+class EvalReport(StatusModel):
     """One evaluation: every agent against every eval opponent (services/coordinator/evals.py)."""
 
     label: str = Field(description="start, step-N, end or on-demand")
@@ -70,12 +72,12 @@ class EvalReport(Open):
     vs: dict[str, dict[str, dict[str, Any]]] = {}
 
 
-class RejectedReplies(Open):
+class RejectedReplies(StatusModel):
     replies: int = Field(description="engine replies the coordinator refused")
     episodes_abandoned: int = Field(description="episodes those replies abandoned")
 
 
-class RunStatus(Open):
+class RunStatus(StatusModel):
     """``GET /v1/status``: the run's state, in memory (Redis-backed counts are null while Redis is down)."""
 
     run: str
