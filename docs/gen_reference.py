@@ -11,6 +11,7 @@ metrics from the Prometheus registries, the streams from the flow table and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
@@ -155,14 +156,16 @@ def config_page() -> str:
 # --- the control API -----------------------------------------------------------------------------------
 def api_page() -> str:
     from services.contracts.config import parse_config
-    from services.coordinator.api import create_app
+    from services.coordinator.api import ApiParts, build_app
     from services.envs.registry import check_environment_config
 
     cfg = parse_config({"run": {"name": "reference"}, "environment": {"name": "tictactoe", "roles": {"X": "A"}},
                         "agents": {"A": {"model_path": "model"}}} | {"environment": {
                             "name": "tictactoe", "roles": {"X": "A", "O": "scripted:random"}}})
     # the routes and their declared models only: no run is started, no handler is called
-    doc = create_app(SimpleNamespace(cfg=cfg, env_cls=check_environment_config(cfg.environment))).openapi()
+    parts = dict.fromkeys(f.name for f in dataclasses.fields(ApiParts)) | {
+        "cfg": cfg, "env_cls": check_environment_config(cfg.environment)}
+    doc = build_app(SimpleNamespace(**parts)).openapi()
     lines = ["# Control API reference", "", cell(doc["info"].get("description", "")) + " The coordinator serves it "
              "on `api.host:api.port` (the demo: `http://127.0.0.1:8900`), with the interactive OpenAPI page at "
              "`/docs` and the document at `/openapi.json`. With `api.token` set, the routes marked *token* need "
@@ -183,8 +186,8 @@ def metrics_page() -> str:
     from prometheus_client.metrics import MetricWrapperBase
 
     from services.common import metrics
-    from services.common.metrics import RunMetrics
     from services.contracts.config import parse_config
+    from services.coordinator.run_metrics import RunMetrics
     from services.coordinator.state import RunState
 
     cfg = parse_config({"run": {"name": "reference"}, "environment": {"name": "tictactoe", "roles": {
@@ -192,7 +195,7 @@ def metrics_page() -> str:
     run = RunMetrics()
     run.update(RunState.from_config(cfg), {}, [], now=0.0)
     lines = ["# Metrics reference", "", "Prometheus series, declared with `prometheus_client` "
-             "(`services/common/metrics.py`).", ""]
+             "(`services/coordinator/run_metrics.py` per run, `services/common/metrics.py` per process).", ""]
     per_process = [(m._name, m._type, m._labelnames, m._documentation) for m in vars(metrics).values()
                    if isinstance(m, MetricWrapperBase)]
     per_run = [(f.name, f.type, getattr(f, "_labelnames", ()), f.documentation) for f in run.registry.collect()]

@@ -185,11 +185,11 @@ async def play_group_over_bus(coord: Any, engine_bus: Bus, engine: Callable[[Any
     ``play_group(index, roles, f"g{index}")`` returns its results."""
     bus, stop = coord.bus, asyncio.Event()
     tasks = [asyncio.create_task(bus.consume(bus.streams.replies(coord.name), "coordinator", coord.name,
-                                             coord.on_reply, stop, count=64)),
+                                             coord.router.on_reply, stop, count=64)),
              asyncio.create_task(engine_bus.consume(bus.streams.turns("A"), "rollout", "rollout-A", engine, stop,
                                                     concurrency=concurrency))]
     try:
-        return await asyncio.wait_for(coord.play_group(index, roles, f"g{index}"), 120)
+        return await asyncio.wait_for(coord.groups.play_group(index, roles, f"g{index}"), 120)
     finally:
         stop.set()
         await asyncio.gather(*tasks)

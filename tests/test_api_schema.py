@@ -55,7 +55,7 @@ def live_api(redis_url: str, model: Path) -> Iterator[str]:
         coord = Coordinator(cfg, Bus(redis_url, "schema", "coordinator"))
         roles = {"X": Local(path=str(model), agent="A"), "O": Scripted(name="random")}
         for i in range(2):
-            await coord._play(TicTacToe({}, i), f"g{i}", roles, "train", coord.sampling_for(roles))
+            await coord.episode_log.play(TicTacToe({}, i), f"g{i}", roles, "train", coord.players.sampling_for(roles))
         server = box["server"] = uvicorn.Server(uvicorn.Config(create_app(coord), host="127.0.0.1", port=port,
                                                                log_level="warning", lifespan="off"))
         task = asyncio.create_task(server.serve())

@@ -29,7 +29,7 @@ def _coordinator(redis_url: str, model: Path, tmp_path: Path) -> Coordinator:
                         "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "B"}},
                         "agents": {a: {"model_path": str(model), "sampling": {"max_new_tokens": 4}} for a in "AB"}})
     coord = Coordinator(cfg, Bus(redis_url, "arch", "coordinator"))
-    coord.archive.batch = 2  # spill every two episodes past the one kept
+    coord.episode_log.archive.batch = 2  # spill every two episodes past the one kept
     return coord
 
 
@@ -42,7 +42,8 @@ async def _play(coord: Coordinator, model: Path, n: int, start: int = 0) -> list
     roles = {"X": Local(path=str(model), agent="A"), "O": Scripted(name="random")}
     ids = []
     for i in range(start, start + n):
-        result = await coord._play(TicTacToe({}, i), f"g{i}", roles, "train", coord.sampling_for(roles))
+        sampling = coord.players.sampling_for(roles)
+        result = await coord.episode_log.play(TicTacToe({}, i), f"g{i}", roles, "train", sampling)
         assert result is not None
         ids.append(result.episode_id)
     return ids
@@ -58,7 +59,7 @@ async def test_an_archived_episode_is_served_with_its_tokens(redis_url: str, tin
         tokens = {i: (await client.get(f"/v1/dashboard/episodes/{i}/tokens")).json() for i in ids}
         coord.episodes.clear()  # out of the in-memory cache: Redis, then the archive
         in_redis = {k.decode() for k in await coord.bus.redis.hkeys(coord.bus.streams.episodes())}
-        archived = [r["id"] for r in read_archive(coord.archive.path)]
+        archived = [r["id"] for r in read_archive(coord.episode_log.archive.path)]
         assert archived == ids[:len(archived)] and len(archived) >= 5 and not in_redis & set(archived)
         for i in ids:
             resp = await client.get(f"/v1/episodes/{i}")
@@ -71,7 +72,7 @@ async def test_an_archived_episode_is_served_with_its_tokens(redis_url: str, tin
             assert (await client.get(f"/v1/episodes/{missing}")).status_code == 404
             assert (await client.get(f"/v1/dashboard/episodes/{missing}/tokens")).status_code == 404
         assert (await client.get(f"/v1/episodes/{ids[0]}", headers={"Authorization": ""})).status_code == 401
-    index = coord.archive.index.read_text().splitlines()
+    index = coord.episode_log.archive.index.read_text().splitlines()
     assert [line.split("\t")[0] for line in index] == archived
     await coord.bus.close()
 
@@ -80,21 +81,21 @@ async def test_an_older_archive_is_indexed_and_a_torn_tail_is_survived(redis_url
                                                                      tmp_path: Path) -> None:
     coord = _coordinator(redis_url, tiny_model_dir, tmp_path)
     ids = await _play(coord, tiny_model_dir, 5)
-    archived = [r["id"] for r in read_archive(coord.archive.path)]
-    coord.archive.index.unlink()  # an archive written before the index existed
-    first = coord.archive.find(archived[0])
+    archived = [r["id"] for r in read_archive(coord.episode_log.archive.path)]
+    coord.episode_log.archive.index.unlink()  # an archive written before the index existed
+    first = coord.episode_log.archive.find(archived[0])
     assert first is not None and first["id"] == archived[0] and "reply_tokens" in first
-    assert coord.archive.find("a\t0\t1") is None and coord.archive.find("") is None
-    assert [line.split("\t")[0] for line in coord.archive.index.read_text().splitlines()] == archived
-    _append(coord.archive.index, archived[0].encode() + b"\t12")  # a crash while indexing left a torn line
-    _append(coord.archive.path, b"\x1f\x8b\x08\x00garbage")  # and one while appending, a torn member
+    assert coord.episode_log.archive.find("a\t0\t1") is None and coord.episode_log.archive.find("") is None
+    assert [line.split("\t")[0] for line in coord.episode_log.archive.index.read_text().splitlines()] == archived
+    _append(coord.episode_log.archive.index, archived[0].encode() + b"\t12")  # a crash while indexing left a torn line
+    _append(coord.episode_log.archive.path, b"\x1f\x8b\x08\x00garbage")  # and one while appending, a torn member
     more = await _play(coord, tiny_model_dir, 4, start=5)
     coord.episodes.clear()
     now: list[str] = []  # read_archive stops at the torn member; find goes through the index past it
     for i in ids + more:
         if await coord.bus.redis.hexists(coord.bus.streams.episodes(), i):
             continue
-        rec = coord.archive.find(i)
+        rec = coord.episode_log.archive.find(i)
         assert rec is not None and rec["id"] == i, i
         now.append(i)
     assert set(now) >= set(archived) and len(now) > len(archived)  # the new spills were indexed too

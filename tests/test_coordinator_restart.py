@@ -59,7 +59,7 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     first = Coordinator(cfg, Bus(redis_url, "rs", "coordinator"))
     await first.restore()
     await first.control("pause")
-    led = first.ledger
+    led = first.groups.ledger
     for i, gid in enumerate(("g1", "g2", "g3")):
         await led.launch(gid, i, {"A", "B"})
     await led.emit("g1", [sample("A", "g1", 1.0), sample("A", "g1", 0.0),
@@ -68,13 +68,13 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     # g3 is playing when the coordinator dies
     events = {a: await buffer_verdicts(first.bus, a) for a in ("A", "B")}
     for ev in events["A"][:1] + events["B"]:  # A's verdict on g2 arrives while the coordinator is down
-        await first.on_event(ev)
+        await first.events.on_event(ev)
     await trained(first.bus, "A", 1, loaded=True)
     await trained(first.bus, "A", 2, loaded=False)  # trained, not yet on the engines
     await trained(first.bus, "B", 1, loaded=True)
     first.evals.append({"label": "start", "time": 1.0, "scores": {"A": 0.4, "B": 0.3}, "details": {},
                         "versions": {"A": 0, "B": 0}})
-    await first.save_evals()
+    await first.evaluations.save()
     await first.bus.close()
 
     second = Coordinator(cfg, Bus(redis_url, "rs", "coordinator"))
@@ -88,12 +88,12 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     assert a.loaded_weight_version == 1 and a.loaded_weight_versions == [1]
     assert [t["weight_version"] for t in a.train_steps] == [1, 2]
     assert {k: a.train_steps[0][k] for k in STEP} == STEP
-    assert (pool := second.pool_paths["A"]) == [str(tiny_model_dir), "/ckpt/A/v1"]
-    assert second.resolve_pool({"O": Pool(agent="A")})["O"] in {Local(path=p, agent="A") for p in pool}
+    assert (pool := second.players.pool_paths["A"]) == [str(tiny_model_dir), "/ckpt/A/v1"]
+    assert second.players.resolve_pool({"O": Pool(agent="A")})["O"] in {Local(path=p, agent="A") for p in pool}
     assert (a.eval_start, b.eval_start) == (0.4, 0.3) and [e["label"] for e in second.evals] == ["start"]
     assert len(a.group_rewards) == 2 and len(b.group_rewards) == 1
     for ev in events["A"] + events["B"]:  # the events stream redelivers what it had not acknowledged
-        await second.on_event(ev)
+        await second.events.on_event(ev)
     assert (a.kept_groups, a.dropped_groups, a.abandoned_groups) == (1, 1, 1)
     assert (b.kept_groups, b.abandoned_groups) == (1, 2)
     await second.control("resume")
@@ -110,8 +110,8 @@ async def test_a_restarted_coordinator_rebuilds_its_run(redis_url: str, tiny_mod
     await third.restore()
     assert not third.state.paused
     for agent in ("A", "B"):
-        await third.on_event(RolloutLoad(source="rollout", agent=agent,
-                                         engines=[EngineStatus(url="http://e", healthy=True)]))
+        await third.events.on_event(RolloutLoad(source="rollout", agent=agent,
+                                                engines=[EngineStatus(url="http://e", healthy=True)]))
     await third.run_and_report()  # no episode is played: nothing is left to run
     assert third.state.phase == "done" and third.state.episodes_done == 0
     summary = json.loads((cfg.run_dir() / "summary.json").read_text())

@@ -75,7 +75,8 @@ async def test_dashboard_routes_over_real_episodes(redis_url: str, tiny_model_di
     player = Local(path=str(tiny_model_dir), agent="A")
     roles = {"X": player, "O": Scripted(name="random")}
     for i in range(3):
-        await coord._play(TicTacToe({}, i), f"g{i}", roles, "train" if i else "eval", coord.sampling_for(roles))
+        await coord.episode_log.play(TicTacToe({}, i), f"g{i}", roles, "train" if i else "eval",
+                                     coord.players.sampling_for(roles))
     assert coord.state.episodes_done == 3
     transport = httpx.ASGITransport(app=create_app(coord))
     async with httpx.AsyncClient(transport=transport, base_url="http://dash") as anon, \

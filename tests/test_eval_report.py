@@ -163,7 +163,7 @@ def test_training_illegal_rate_in_status_metrics_summary_and_live_view(redis_url
                 roles: dict[str, Player] = {"X": a, "O": b} if i % 2 == 0 else {"X": b, "O": a}
                 result = await players.play(TicTacToe({}, i), f"e{i}", "g", roles, sampling, "train",
                                             random.Random(i))
-                await coord.record(result)
+                await coord.episode_log.record(result)
         finally:
             players.stop()
         transport = httpx.ASGITransport(app=create_app(coord))

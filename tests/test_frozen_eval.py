@@ -42,11 +42,11 @@ async def test_the_frozen_agent_is_evaluated_and_marked(redis_url: str, tiny_mod
         return answer
 
     tasks = [asyncio.create_task(bus.consume(bus.streams.replies(coord.name), "coordinator", coord.name,
-                                             coord.on_reply, stop, count=64))]
+                                             coord.router.on_reply, stop, count=64))]
     tasks += [asyncio.create_task(bus.consume(bus.streams.turns(a), "rollout", f"rollout-{a}", engine(a), stop,
                                               concurrency=4)) for a in "AB"]
     try:
-        headline = await asyncio.wait_for(coord.evaluate_all("start"), 120)
+        headline = await asyncio.wait_for(coord.evaluations.evaluate_all("start"), 120)
     finally:
         stop.set()
         await asyncio.gather(*tasks)

@@ -2,7 +2,8 @@
 
 A service is a package under ``services/`` with a ``__main__`` (it runs as its own process).
 Libraries (``common``, ``envs``, ``demo``, ``training``, ``inference``) may be imported by any
-package; ``contracts`` may import only itself.
+package; ``contracts`` may import only itself. In ``common`` and in the coordinator no module imports
+one that imports it back, not even under ``TYPE_CHECKING`` or inside a function.
 """
 
 from __future__ import annotations
@@ -40,24 +41,45 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_common_has_no_import_circle():
-    """No module of ``services/common`` imports, even only for type checking, one that imports it back."""
-    modules = {_module_name(p): p for p in (ROOT / "common").rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets.add(node.module)
-                targets.update(f"{node.module}.{a.name}" for a in node.names)
-            elif isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-        graph[name] = {t for t in targets if t in modules and t != name}
+def _imported(path: Path, modules: set[str]) -> set[str]:
+    """The ``modules`` that ``path`` imports anywhere in it, with the packages each import runs first (their
+    ``__init__``; its own packages excepted: they run before it)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules)
+    me = _module_name(path)
+    return {m for m in found if m != me and not me.startswith(m + ".")}
+
+
+def _circles(package: str) -> list[str]:
+    """The modules of ``services/<package>`` that are on an import circle."""
+    modules = {_module_name(p): p for p in (ROOT / package).rglob("*.py")}
+    graph = {name: _imported(path, set(modules)) for name, path in modules.items()}
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
 
-    circles = sorted(name for name in graph if reaches(name, name, set()))
+    return sorted(name for name in graph if reaches(name, name, set()))
+
+
+def test_common_has_no_import_circle():
+    """No module of ``services/common`` imports, even only for type checking, one that imports it back."""
+    circles = _circles("common")
+    assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_the_coordinator_has_no_import_circle():
+    """Nor in the coordinator: its parts (router, players, episodes, evaluations, groups, events) never import the
+    ``Coordinator`` that wires them."""
+    circles = _circles("coordinator")
     assert not circles, f"modules on an import circle: {circles}"
 
 
@@ -79,7 +101,7 @@ cfg = parse_config({"run": {"name": "imports", "output_dir": out}, "redis_url": 
                     "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "B"}},
                     "agents": {"A": agent, "B": agent}})
 coord = Coordinator(cfg, Bus(cfg.redis_url, "imports", "coordinator"))
-assert render_user_turn(coord.tokenizers["A"], "hello") and coord.context["A"] > 0
+assert render_user_turn(coord.players.tokenizers["A"], "hello") and coord.players.context["A"] > 0
 logger = RunLogger(cfg)
 logger.open()
 logger.tb.add_scalar("A/train/loss", 0.5, global_step=1)

@@ -102,7 +102,7 @@ async def answer_turns(coord: Coordinator, players: EnginePlayers, fail_group: s
                 if req.group_id.startswith(fail_group) and not failed:
                     failed.add(req.episode_id)
                     reply = reply.model_copy(update={"error": "engine lost the request"})
-                await coord.on_reply(reply)
+                await coord.router.on_reply(reply)
 
 
 async def check_agent(coord: Coordinator, agent: str, outcomes: dict) -> None:
@@ -138,10 +138,10 @@ async def test_matchups_launch_groups_per_agent_and_a_failed_episode_is_counted(
     loop = asyncio.create_task(coord.training_loop())
     try:
         for _ in range(1200):  # until neither agent wants a group (an abandoned one is replaced) and none plays
-            if not any(a.wants_groups() for a in coord.state.agents.values()) and not coord.group_tasks:
+            if not any(a.wants_groups() for a in coord.state.agents.values()) and not coord.groups.tasks:
                 break
             await asyncio.sleep(0.1)
-        assert not coord.group_tasks
+        assert not coord.groups.tasks
         await asyncio.sleep(0.3)
         assert not loop.done()  # nobody wants the next group: the loop waits (for the buffer's verdicts)
     finally:
@@ -151,24 +151,25 @@ async def test_matchups_launch_groups_per_agent_and_a_failed_episode_is_counted(
                 await task
         players.stop()
     launched = coord.state.groups_launched
-    ledgers = {a: await coord.ledger.outcomes(a) for a in ("A", "B")}
+    ledgers = {a: await coord.groups.ledger.outcomes(a) for a in ("A", "B")}
     members: dict[int, set[str]] = {}
     for agent, outcomes in ledgers.items():
         for gid in outcomes:
             members.setdefault(int(gid[1:7]), set()).add(agent)
     for index, agents in members.items():  # each group is in the ledger of exactly the agents its matchup trains
-        assert agents == coord.trained(coord.roles_for_group(index)), index
+        assert agents == coord.groups.trained(coord.groups.roles_for_group(index)), index
     passed = set(range(launched)) - set(members)
     assert 4 in passed  # minimax vs A: A had its groups, B still wanted some: passed over, not waited on
     for agent, outcomes in ledgers.items():
         await check_agent(coord, agent, outcomes)
-    assert int(await bus.redis.get(coord.ledger.k_launched)) == max(members) + 1
+    assert int(await bus.redis.get(coord.groups.ledger.k_launched)) == max(members) + 1
     assert coord.state.status()["episodes_failed"] == {"train": {"total": 1, "B": 1}}
     restarted = Coordinator(cfg, Bus(redis_url, "mx", "coordinator"))
     await restarted.restore()
     assert restarted.state.episodes_failed == {"train": {"total": 1, "B": 1}}
     nxt = max(members) + 1  # a restart resumes after the last launched group, with the same schedule
-    assert restarted.state.groups_launched == nxt and restarted.roles_for_group(nxt) == coord.roles_for_group(nxt)
+    assert restarted.state.groups_launched == nxt and (
+        restarted.groups.roles_for_group(nxt) == coord.groups.roles_for_group(nxt))
     await restarted.bus.close()
     await bus.close()
 

@@ -65,7 +65,7 @@ async def test_coordinator_metrics_carry_the_per_agent_series(redis_url: str, ti
     await commit_version(bus, "A", 1, metrics=step1)  # the owners' records the events announce
     await commit_version(bus, "A", 2, path="/w/2", metrics=events[2].metrics, loaded=True)
     for ev in events:
-        await coord.on_event(ev)
+        await coord.events.on_event(ev)
     coord.state.agents["A"].group_rewards.extend([(0.0, 1.0), (1.0, 0.0)])
     coord.evals.append({"label": "start", "scores": {"A": 0.25, "B": None}})
     coord.episodes["e1"] = {"turns": [{"agent": "A", "tokens": 30}, {"agent": "B", "tokens": 5},

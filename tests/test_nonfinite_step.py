@@ -139,11 +139,11 @@ async def test_the_coordinator_replaces_the_groups_of_a_skipped_step(redis_url: 
     ev = TrainStepSkipped(source="trainer-A", agent="A", batch_id="b", batch_weight_version=1, reason="non-finite loss",
                           sample_ids=["s1", "s2"], group_ids=["g1"], consecutive=1)
     with pytest.raises(Reject, match="the trainer recorded no such skip"):  # an event is no fact
-        await coord.on_event(ev)
+        await coord.events.on_event(ev)
     assert agent.kept_groups == 1 and agent.skipped_steps == 0
     await coord.bus.redis.hset(coord.bus.streams.skipped_batches("A"), "b", "{}")  # the trainer's record of it
     for _ in range(2):  # a re-sent event counts once
-        await coord.on_event(ev)
+        await coord.events.on_event(ev)
     assert agent.kept_groups == 0 and agent.dropped_groups == 1 and agent.skipped_steps == 1
     assert agent.claimed == 0 and agent.wants_groups()
     assert json.loads(json.dumps(coord.state.status()))["agents"]["A"]["skipped_steps"] == 1

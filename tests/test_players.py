@@ -77,7 +77,7 @@ def test_frozen_agent_is_not_tracked_and_eval_roles(redis_url: str, tiny_model_d
     cfg = parse_config({**config({"X": "A", "O": "B"}, agents), "redis_url": redis_url})
     coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
     assert set(coord.state.agents) == {"A"}  # B is frozen: no versions to wait for, no groups to count
-    assert coord.trained({"X": AgentPlayer(agent="A"), "O": AgentPlayer(agent="B")}) == {"A"}
+    assert coord.groups.trained({"X": AgentPlayer(agent="A"), "O": AgentPlayer(agent="B")}) == {"A"}
     assert eval_roles(cfg.environment, TicTacToe, "A") == ["X"]
     asyncio.run(coord.bus.close())
 
@@ -88,25 +88,25 @@ def test_opponent_pool_draws_past_versions(redis_url: str, tiny_model_dir: Path)
                                  pool_size=2), "redis_url": redis_url})
     coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
     a, pool = AgentPlayer(agent="A"), Pool(agent="A")
-    assert coord.resolve_pool({"X": a, "O": pool}) == {"X": a, "O": Local(path=m, agent="A")}  # only version 0 yet
+    assert coord.players.resolve_pool({"X": a, "O": pool}) == {"X": a, "O": Local(path=m, agent="A")}  # version 0 only
     from services.contracts.messages import WeightsLoaded
     from tests.helpers import commit_version
 
     async def load_versions() -> None:  # the trainer's commits and the rollout's record of each load, then its event
         for v in (1, 2, 3):
             await commit_version(coord.bus, "A", v, path=f"/ckpt/v{v}", loaded=True)
-            await coord.on_event(WeightsLoaded(source="rollout", agent="A", weight_version=v, path=f"/ckpt/v{v}",
-                                               engines=[]))
+            await coord.events.on_event(WeightsLoaded(source="rollout", agent="A", weight_version=v, path=f"/ckpt/v{v}",
+                                                      engines=[]))
         await coord.bus.close()
 
     asyncio.run(load_versions())
-    drawn = {coord.resolve_pool({"X": a, "O": pool})["O"] for _ in range(50)}
+    drawn = {coord.players.resolve_pool({"X": a, "O": pool})["O"] for _ in range(50)}
     # the last pool_size versions, each knowing its owner from its type
     assert drawn == {Local(path="/ckpt/v2", agent="A"), Local(path="/ckpt/v3", agent="A")}
-    assert coord.roles_for_group(1) == {"X": pool, "O": a}  # sides alternate; the pool follows
-    assert coord.trained(coord.resolve_pool(coord.roles_for_group(1))) == {"A"}
+    assert coord.groups.roles_for_group(1) == {"X": pool, "O": a}  # sides alternate; the pool follows
+    assert coord.groups.trained(coord.players.resolve_pool(coord.groups.roles_for_group(1))) == {"A"}
     v2 = Local(path="/ckpt/v2", agent="A")
-    assert coord.sampling_for({"O": v2})[v2] == cfg.agents["A"].sampling
+    assert coord.players.sampling_for({"O": v2})[v2] == cfg.agents["A"].sampling
 
 
 def test_self_play_episode_with_in_process_weights(tiny_model_dir: Path) -> None:
@@ -178,18 +178,18 @@ def test_tandem_envs_lists_every_builtin() -> None:
 
 
 def test_an_agent_that_never_gets_a_turn_stops_the_run(redis_url: str, tiny_model_dir: Path) -> None:
-    from services.coordinator import scheduler
+    from services.coordinator import groups
 
     m = str(tiny_model_dir)
     cfg = parse_config({**config({"X": "A", "O": "B"}, {"A": {"model_path": m}, "B": {"model_path": m}}),
                         "redis_url": redis_url})
     coord = Coordinator(cfg, Bus(redis_url, "t", "coordinator"))
-    for _ in range(scheduler.MAX_EMPTY_GROUPS - 1):
-        coord.check_starved({"A", "B"}, {"A"})
+    for _ in range(groups.MAX_EMPTY_GROUPS - 1):
+        coord.groups.check_starved({"A", "B"}, {"A"})
     assert not coord.state.stop_requested
-    coord.check_starved({"A", "B"}, {"A", "B"})  # B had a turn: the streak restarts
-    for _ in range(scheduler.MAX_EMPTY_GROUPS):
-        coord.check_starved({"A", "B"}, {"A"})
+    coord.groups.check_starved({"A", "B"}, {"A", "B"})  # B had a turn: the streak restarts
+    for _ in range(groups.MAX_EMPTY_GROUPS):
+        coord.groups.check_starved({"A", "B"}, {"A"})
     assert coord.state.stop_requested and "agent B had no turn in 50 groups" in coord.state.error
     assert coord.state.status()["error"] == coord.state.error
     asyncio.run(coord.bus.close())

@@ -1,7 +1,7 @@
 """Engine replies checked by the coordinator before they enter an episode (issue 12; docs/architecture.md §2.3).
 
 The coordinator (real, on the real Redis) plays a group of four tic-tac-toe episodes with agent A against the
-env's scripted player, through its own reply consumer (``bus.consume`` → ``Coordinator.on_reply``, as its
+env's scripted player, through its own reply consumer (``bus.consume`` → ``TurnRouter.on_reply``, as its
 ``__main__`` runs it). A's "engine" is this test: it answers every turn request with the tiny model's real
 generation (the in-process engine), but tampers with the first reply of one episode (a token id outside the
 vocabulary: well formed, so the wire contract lets it through) and sends a stray reply from an agent the run
@@ -37,7 +37,7 @@ async def test_a_bad_reply_is_rejected_alone_and_its_episode_abandoned(redis_url
     engine_bus = Bus(redis_url, "replies", "rollout-A")
     local, model = LocalPlayers(), Local(path=str(tiny_model_dir), agent="A")
     tampered, forged = {}, []
-    vocab = coord.replies.vocab["A"]
+    vocab = coord.router.replies.vocab["A"]
     assert vocab is not None
 
     async def engine(req: GenerateRequest) -> None:
@@ -80,7 +80,7 @@ async def test_the_check_covers_what_the_wire_contract_does_not(redis_url: str, 
                         "environment": {"name": "tictactoe", "roles": {"X": "A", "O": "B"}},
                         "agents": {a: {"model_path": str(tiny_model_dir)} for a in "AB"}})
     coord = Coordinator(cfg, Bus(redis_url, "replies2", "coordinator"))
-    check, vocab = coord.replies, coord.replies.vocab["A"]
+    check, vocab = coord.router.replies, coord.router.replies.vocab["A"]
     good = GenerateReply(request_id="r", agent="A", episode_id="e", turn=0, output_ids=[0, vocab - 1],
                          output_logprobs=[-0.5, 0.0], finish_reason="stop", weight_version=0, engine="x")
     assert check.problem(good) is None

@@ -351,7 +351,7 @@ async def test_rollout_load_shows_in_status(tiny_model_dir: Path, redis_url: str
         data = {"queue_depth": 3, "inflight": 2, "capacity": 64, "waiting": 0, "router": "http://r",
                 "router_restarts": 0,
                 "engines": [{"url": "http://e0", "healthy": True, "restarts": 1, "num_reqs": 2}]}
-        await coord.on_event(RolloutLoad(source="rollout-A", agent="A", **data))
+        await coord.events.on_event(RolloutLoad(source="rollout-A", agent="A", **data))
         assert coord.state.status()["agents"]["A"]["rollout"] == data
     finally:
         await bus.close()
@@ -368,11 +368,11 @@ async def test_coordinator_sends_no_turn_before_every_rollout_has_a_healthy_engi
     bus = Bus(redis_url, "ready", "test")
     try:
         coord = Coordinator(cfg, bus)
-        waiting = asyncio.create_task(coord.wait_for_engines(timeout=60))
+        waiting = asyncio.create_task(coord.events.wait_for_engines(timeout=60))
 
         async def load(agent: str, healthy: bool) -> None:
-            await coord.on_event(RolloutLoad(source=f"rollout-{agent}", agent=agent,
-                                             engines=[EngineStatus(url="http://e0", healthy=healthy)]))
+            await coord.events.on_event(RolloutLoad(source=f"rollout-{agent}", agent=agent,
+                                                    engines=[EngineStatus(url="http://e0", healthy=healthy)]))
             await asyncio.sleep(0.05)
 
         await load("A", True)
@@ -380,6 +380,6 @@ async def test_coordinator_sends_no_turn_before_every_rollout_has_a_healthy_engi
         assert not waiting.done() and coord.state.phase == "starting"
         await load("B", True)
         await asyncio.wait_for(waiting, 5)
-        assert coord.engines_ready == {"A", "B"}
+        assert coord.events.engines_ready == {"A", "B"}
     finally:
         await bus.close()

@@ -25,8 +25,8 @@ async def test_train_step_metrics_are_served_once_per_version(redis_url: str, ti
     for version in (1, 2):  # the trainer's commits: the metrics the coordinator takes (an event only notifies)
         await commit_version(bus, "A", version, metrics=step)
     for version in (1, 1, 2):  # version 1 re-announced after a trainer restart
-        await coord.on_event(TrainStep(source="trainer-A", agent="A", weight_version=version,
-                                       batch_weight_version=version, metrics=step))
+        await coord.events.on_event(TrainStep(source="trainer-A", agent="A", weight_version=version,
+                                              batch_weight_version=version, metrics=step))
     transport = httpx.ASGITransport(app=create_app(coord))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         got = (await client.get("/v1/metrics", params={"agent": "A"})).json()["A"]["train_steps"]

@@ -51,7 +51,8 @@ async def test_forged_weights_loaded_and_train_step_events_are_dead_lettered(red
     for ev in events:
         await hostile.publish(s.events, ev)
     stop = asyncio.Event()
-    consumer = asyncio.create_task(coord.bus.consume(s.events, "coordinator", "coordinator", coord.on_event, stop))
+    consumer = asyncio.create_task(coord.bus.consume(s.events, "coordinator", "coordinator", coord.events.on_event,
+                                                     stop))
     letters = await dead_letters(hostile, 2)
     for _ in range(100):  # the genuine two are taken after the forged ones
         if coord.state.agents["A"].train_steps:
@@ -67,7 +68,7 @@ async def test_forged_weights_loaded_and_train_step_events_are_dead_lettered(red
     assert a.loaded_weight_version == 1 and not a.finished  # not ended early
     assert [t["weight_version"] for t in a.train_steps] == [1]
     assert a.train_steps[0]["loss"] == 0.5  # the committed record's metrics, not the event's 9.0
-    assert coord.version_paths["A"][1] == "/ckpt/A/v1" and "/elsewhere" not in coord.pool_paths["A"]
+    assert coord.players.version_paths["A"][1] == "/ckpt/A/v1" and "/elsewhere" not in coord.players.pool_paths["A"]
     (group,) = await hostile.redis.xinfo_groups(s.events)
     assert int(group["pending"]) == 0
     await coord.bus.close()

@@ -1,5 +1,5 @@
 """Shared contracts: message models, stream names, the flow and key tables, shared records, config models,
-serialisation.
+the control API's status (status.py), serialisation.
 
 Every service imports this package; it imports no service.
 """

@@ -38,9 +38,9 @@ async def main_async(config: str, port: int | None) -> int:
 
     runner = asyncio.ensure_future(coord.run_and_report(server, run_logger))
     await run_service("coordinator", bus, stop,
-                      bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.on_reply,
+                      bus.consume(s.replies(coord.name), "coordinator", coord.name, coord.router.on_reply,
                                   stop, concurrency=1, count=64),
-                      bus.consume(s.events, "coordinator", coord.name, coord.on_event, stop),
+                      bus.consume(s.events, "coordinator", coord.name, coord.events.on_event, stop),
                       watch_control(bus, "control-coordinator", stop, coord.on_control, stop_on_stop=False),
                       server.serve(), coord.housekeeping(stop), run_logger.follow(coord, stop), runner)
     if coord.state.error is not None:  # the run failed for good (recorded in Redis): a restart cannot fix it

@@ -11,7 +11,8 @@ wrong, never a 500; the OpenAPI document lists every status a route answers with
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Query, Request, Security
@@ -20,27 +21,65 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.common.admin_token import authorized
-from services.common.metrics import SERVICE_STARTS, RunMetrics
+from services.common.bus import Bus
+from services.common.metrics import SERVICE_STARTS
 from services.common.reconnect import REDIS_DOWN
+from services.contracts.config import TandemConfig
 from services.contracts.messages import Control
+from services.contracts.players import Player
+from services.contracts.status import RunStatus
+from services.coordinator.dashboard import DashboardSource
 from services.coordinator.dashboard import mount as mount_dashboard
 from services.coordinator.dashboard.routes import episode_record
+from services.coordinator.episodes import EpisodeLog
 from services.coordinator.errors import responses
+from services.coordinator.evals import Evaluations
+from services.coordinator.replies import ReplyCheck
+from services.coordinator.run_metrics import RunMetrics
 from services.coordinator.scheduler import Coordinator
+from services.coordinator.state import RunState
 from services.coordinator.train_play import curve
+from services.envs.base import Environment
+
+
+@dataclass(frozen=True)
+class ApiParts:
+    """What the API reads and drives: the coordinator's parts (scheduler.py), not the coordinator."""
+
+    cfg: TandemConfig
+    env_cls: type[Environment]
+    state: RunState
+    bus: Bus
+    episodes: EpisodeLog
+    evals: Evaluations
+    replies: ReplyCheck
+    control: Callable[[str], Awaitable[None]]  # pause / resume / stop
+    tokenizer_for: Callable[[Player], Any]
+    reply_stream: str
+
+    @classmethod
+    def of(cls, coord: Coordinator) -> ApiParts:
+        return cls(coord.cfg, coord.groups.env_cls, coord.state, coord.bus, coord.episode_log, coord.evaluations,
+                   coord.router.replies, coord.control, coord.players.tokenizer_for, coord.router.reply_stream)
 
 
 def create_app(coord: Coordinator) -> FastAPI:
+    return build_app(ApiParts.of(coord))
+
+
+def build_app(p: ApiParts) -> FastAPI:
+    """The API over the run's parts: each route group gets the objects it reads or drives."""
     app = FastAPI(title="Tandem control API", version="1",
                   description="Drive and inspect a Tandem run (docs/architecture.md §6).")
     app.exception_handler(RequestValidationError)(_bad_request)
     for down in REDIS_DOWN:  # an outage of the run's store: 503 with its reason, never a 500
         app.exception_handler(down)(_redis_down)
-    guard = token_guard(coord.cfg.api.token)
-    _probe_routes(app, coord)
-    _read_routes(app, coord, guard)
-    _command_routes(app, coord, guard)
-    mount_dashboard(app, coord, guard)  # the web dashboard at / (services/coordinator/dashboard)
+    guard = token_guard(p.cfg.api.token)
+    _probe_routes(app, p.state, RunSeries(p.bus, list(p.cfg.agents), p.state, p.episodes, p.evals))
+    _read_routes(app, p.state, p.episodes, p.evals, p.replies, guard)
+    _command_routes(app, p.state, p.control, p.evals, p.bus, guard)
+    mount_dashboard(app, DashboardSource(p.cfg, p.env_cls, p.state, p.episodes, p.tokenizer_for, p.bus,
+                                         p.reply_stream), guard)  # the web dashboard at /
     return app
 
 
@@ -71,41 +110,57 @@ def token_guard(token: str) -> list[Any]:
     return [Security(require_token)] if token else []
 
 
-def _probe_routes(app: FastAPI, coord: Coordinator) -> None:
+@dataclass
+class RunSeries:
+    """The run's Prometheus series (services/coordinator/run_metrics.py) and what they are read from."""
+
+    bus: Bus
+    agents: list[str]
+    state: RunState
+    episodes: EpisodeLog
+    evals: Evaluations
+    metrics: RunMetrics = field(default_factory=RunMetrics)
+
+    async def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        await self.metrics.read_dead_letters(self.bus.redis, self.bus.streams.deadletter, self.agents)
+        await self.metrics.read_starts(self.bus.redis, self.bus.streams.key(SERVICE_STARTS))
+        self.metrics.update(self.state, self.episodes.recent, self.evals.entries)
+        return self.metrics.exposition(accept)
+
+
+def _probe_routes(app: FastAPI, state: RunState, series: RunSeries) -> None:
     """Open to probes and scrapers: liveness and the Prometheus series."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok", "phase": coord.state.phase}
-
-    run_metrics = RunMetrics()
+        return {"status": "ok", "phase": state.phase}
 
     @app.get("/metrics", response_class=Response, responses=responses(503))
     async def prometheus(request: Request) -> Response:
-        """The run's Prometheus series (services/common/metrics.py), from the run state at this scrape."""
-        await run_metrics.read_dead_letters(coord.bus.redis, coord.bus.streams.deadletter, coord.cfg.agents)
-        await run_metrics.read_starts(coord.bus.redis, coord.bus.streams.key(SERVICE_STARTS))
-        run_metrics.update(coord.state, coord.episodes, coord.evals)
-        payload, content_type = run_metrics.exposition(request.headers.get("accept"))
+        """The run's Prometheus series (services/coordinator/run_metrics.py), from the run state at this scrape."""
+        payload, content_type = await series.exposition(request.headers.get("accept"))
         return Response(payload, media_type=content_type)
 
 
-def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
+def _read_routes(app: FastAPI, state: RunState, kept: EpisodeLog, evals: Evaluations, replies: ReplyCheck,
+                 guard: list[Any]) -> None:
     """The run's status, episodes (full transcripts) and metrics: behind the token when one is configured."""
 
-    @app.get("/v1/status", dependencies=guard, responses=responses(401))
-    async def status() -> dict[str, Any]:
+    @app.get("/v1/status", dependencies=guard, responses=responses(401), response_model=RunStatus,
+             response_model_exclude_unset=True)  # an older run's evaluation lacks the keys added since
+    async def status() -> RunStatus:
         """The run's state (in memory); while Redis is unavailable its Redis-backed counts are null."""
         try:
-            rejected, redis = await coord.replies.counts(), "ok"  # engine replies refused (replies.py)
+            rejected, redis = await replies.counts(), "ok"  # engine replies refused (replies.py)
         except REDIS_DOWN as exc:
             rejected, redis = None, f"unavailable: {exc}"
-        return {**coord.state.status(), "evals": coord.evals, "rejected_replies": rejected, "redis": redis}
+        return RunStatus.model_validate({**state.status(), "evals": evals.entries, "rejected_replies": rejected,
+                                         "redis": redis})
 
     @app.get("/v1/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
                        purpose: Literal["train", "eval"] | None = None) -> dict[str, Any]:
-        recs = list(coord.episodes.values())[::-1]
+        recs = list(kept.recent.values())[::-1]
         if purpose:
             recs = [r for r in recs if r["purpose"] == purpose]
         page = recs[offset: offset + limit]
@@ -115,27 +170,28 @@ def _read_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
 
     @app.get("/v1/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404, 503))
     async def episode(episode_id: str) -> dict[str, Any]:
-        return await episode_record(coord, episode_id)
+        return await episode_record(kept, episode_id)
 
     @app.get("/v1/metrics", dependencies=guard, responses=responses(401, 404))
     async def metrics(agent: str | None = None) -> dict[str, Any]:
-        if agent is not None and agent not in coord.state.agents:
-            raise HTTPException(404, f"no agent {agent!r}; agents: {', '.join(coord.state.agents)}")
-        names = [agent] if agent else list(coord.state.agents)
-        return {n: {"train_steps": coord.state.agents[n].train_steps,
-                    "group_rewards": coord.state.agents[n].group_rewards,
-                    "train_play": curve(coord.state.agents[n].train_play)} for n in names}
+        if agent is not None and agent not in state.agents:
+            raise HTTPException(404, f"no agent {agent!r}; agents: {', '.join(state.agents)}")
+        names = [agent] if agent else list(state.agents)
+        return {n: {"train_steps": state.agents[n].train_steps,
+                    "group_rewards": state.agents[n].group_rewards,
+                    "train_play": curve(state.agents[n].train_play)} for n in names}
 
 
-def _command_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
+def _command_routes(app: FastAPI, state: RunState, control: Callable[[str], Awaitable[None]], evals: Evaluations,
+                    bus: Bus, guard: list[Any]) -> None:
     """Pause, resume, stop, evaluate, checkpoint: behind the token when one is configured."""
     answers = responses(401, 409, 503)
 
     async def command(name: str) -> dict[str, Any]:
-        if coord.state.phase in ("done", "stopped"):
-            raise HTTPException(409, f"the run is {coord.state.phase}; {name} has no effect")
-        await coord.control(name)
-        return {"ok": True, "command": name, "paused": coord.state.paused}
+        if state.phase in ("done", "stopped"):
+            raise HTTPException(409, f"the run is {state.phase}; {name} has no effect")
+        await control(name)
+        return {"ok": True, "command": name, "paused": state.paused}
 
     @app.post("/v1/pause", dependencies=guard, responses=answers)
     async def pause() -> dict[str, Any]:
@@ -151,16 +207,15 @@ def _command_routes(app: FastAPI, coord: Coordinator, guard: list[Any]) -> None:
 
     @app.post("/v1/eval", dependencies=guard, responses=answers)
     async def run_eval() -> dict[str, Any]:
-        if coord.state.phase not in ("training",):
-            raise HTTPException(409, f"evaluation on demand runs during training; the run is {coord.state.phase}")
-        if coord.eval_task is not None and not coord.eval_task.done():
+        if state.phase not in ("training",):
+            raise HTTPException(409, f"evaluation on demand runs during training; the run is {state.phase}")
+        if not evals.start_on_demand():
             raise HTTPException(409, "an evaluation is already running")
-        coord.eval_task = asyncio.create_task(coord.evaluate_all("on-demand"))
         return {"ok": True, "started": True}
 
     @app.post("/v1/checkpoint", dependencies=guard, responses=answers)
     async def checkpoint() -> dict[str, Any]:
-        if coord.state.phase in ("done", "stopped"):
-            raise HTTPException(409, f"the run is {coord.state.phase}; nothing to checkpoint")
-        await coord.bus.publish(coord.bus.streams.control, Control(command="checkpoint"))
+        if state.phase in ("done", "stopped"):
+            raise HTTPException(409, f"the run is {state.phase}; nothing to checkpoint")
+        await bus.publish(bus.streams.control, Control(command="checkpoint"))
         return {"ok": True, "command": "checkpoint"}

@@ -8,7 +8,9 @@ ETA and weight version, a streak of steps without learning signal, restarts and 
 under it. Each evaluation prints once as a small table (agent, opponent, score ± SE, the environment's
 measures, illegal rate). ``LogEcho`` shows the services' log lines: all of them, prefixed by service, with
 ``--verbose``; otherwise only warnings, errors and tracebacks (every line is in ``runs/<run>/logs/`` anyway),
-a known harmless third-party warning explained the first time and its repeats left to the logs.
+a known harmless third-party warning explained the first time and its repeats left to the logs. A
+``status`` here is ``GET /v1/status``'s JSON, a ``RunStatus`` (services/contracts/status.py) that the
+launcher has validated.
 """
 
 from __future__ import annotations

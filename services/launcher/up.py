@@ -4,12 +4,12 @@ Order: Redis (embedded unless the config names one; its AOF under ``runs/<run>/r
 agent the rollout (which starts the agent's real SGLang router and engines itself) → the
 coordinator → per trained agent the buffer and trainer (a new run's once its first turn is played:
 services/launcher/deferred.py). It prints the dashboard's address first, then shows the live view
-(services/launcher/live_view.py) from the coordinator's ``/v1/status`` and supervises
-every child and the embedded Redis: one that dies is restarted in place within the restart budget
-(``run.max_restarts`` in ``run.restart_window_s``), the count goes to the live view, the Redis hash
-``state:restarts`` and ``summary.json``; past the budget the run stops naming the service and saying that
-``--resume`` continues it. Ctrl-C (SIGINT, handled explicitly) and SIGTERM stop everything; ``tandem up
-CONFIG --resume`` then continues the run.
+(services/launcher/live_view.py) from the coordinator's ``/v1/status`` (validated as a ``RunStatus``,
+services/contracts/status.py) and supervises every child and the embedded Redis: one that dies is
+restarted in place within the restart budget (``run.max_restarts`` in ``run.restart_window_s``), the
+count goes to the live view, the Redis hash ``state:restarts`` and ``summary.json``; past the budget
+the run stops naming the service and saying that ``--resume`` continues it. Ctrl-C (SIGINT, handled
+explicitly) and SIGTERM stop everything; ``tandem up CONFIG --resume`` then continues the run.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from services.common.admin_token import bearer
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
+from services.contracts.status import RunStatus
 from services.contracts.streams import Streams
 from services.launcher import run_lock
 from services.launcher.deferred import AfterFirstTurn
@@ -284,7 +285,9 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "", engi
             if group.exited("coordinator") == 0:
                 return 0
             try:
-                status = httpx.get(f"{api}/v1/status", timeout=2.0, headers=bearer(token)).json()
+                reply = httpx.get(f"{api}/v1/status", timeout=2.0, headers=bearer(token)).json()
+                phase = RunStatus.model_validate(reply).phase  # the status contract, else a ValueError
+                status = reply
                 if not announced:
                     console.print(f"all services up in {time.time() - started:.0f}s: dashboard at {api}/, control "
                                   f"API docs at {api}/docs", soft_wrap=True)
@@ -294,7 +297,7 @@ def watch(group: ProcessGroup, api: str, console: Console, token: str = "", engi
                 progress.update(status)
                 if engines is not None:
                     engines.update(status)
-                if status.get("phase") in ("done", "stopped"):
+                if phase in ("done", "stopped"):
                     group.winding_down.set()
             except (httpx.HTTPError, ValueError):
                 pass

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from services.common.bus import Bus
 from services.common.metrics import SERVICE_STARTS
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Event
+from services.coordinator.state import AgentState
 
 STALE_S = 15.0
 EVENTS_SCANNED = 500
 
 
-def gate(agent: Any) -> dict[str, Any]:
+def gate(agent: AgentState) -> dict[str, Any]:
     """An agent's launch gate (coordinator/state.py): claimed groups against the staleness limit."""
     limit = (agent.loaded_weight_version + agent.max_staleness + 1) * agent.groups_per_batch
     return {"blocked": agent.blocked_by_staleness(), "claimed": agent.claimed, "limit": limit,
@@ -71,16 +74,18 @@ async def service_restarts(redis: Any, key: str) -> dict[str, int]:
     return {_s(k): max(int(v) - 1, 0) for k, v in starts.items()}
 
 
-async def services(coord: Any) -> list[dict[str, Any]]:
-    """Every service the run's streams know of: alive (recent reads), last event, restarts."""
-    s = coord.bus.streams
-    streams = [s.events, s.control, s.replies(coord.name)] + [
-        f(a) for a in coord.cfg.agents for f in (s.turns, s.samples, s.batches, s.weights)]
-    reads = await consumers(coord.bus.redis, streams, s.key(""))
-    events = await recent_events(coord.bus.redis, s.events)
-    started = await service_restarts(coord.bus.redis, s.key(SERVICE_STARTS))
+async def services(bus: Bus, reply_stream: str, agents: Iterable[str],
+                   states: Mapping[str, AgentState]) -> list[dict[str, Any]]:
+    """Every service the run's streams know of (those of ``agents``, the coordinator's ``reply_stream``):
+    alive (recent reads), last event, restarts (an engine's from its agent's state)."""
+    s = bus.streams
+    streams = [s.events, s.control, reply_stream] + [
+        f(a) for a in agents for f in (s.turns, s.samples, s.batches, s.weights)]
+    reads = await consumers(bus.redis, streams, s.key(""))
+    events = await recent_events(bus.redis, s.events)
+    started = await service_restarts(bus.redis, s.key(SERVICE_STARTS))
     restarts = {f"rollout-{a}": sum(int(e.get("restarts") or 0) for e in st.rollout.get("engines", []))
-                for a, st in coord.state.agents.items()}
+                for a, st in states.items()}
     rows = []
     for name in sorted(set(reads) | set(events) | set(started)):
         groups = reads.get(name, [])

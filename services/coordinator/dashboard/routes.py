@@ -7,17 +7,23 @@ Bad query values get a 422 naming the field (the API's handler), an unknown epis
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 
+from services.common.bus import Bus
+from services.contracts.config import TandemConfig
+from services.contracts.players import Player
 from services.coordinator.dashboard.pipeline import gate, services
-from services.coordinator.dashboard.transcripts import board, brief, decode_tokens, load_tokens, matches
+from services.coordinator.dashboard.transcripts import board, brief, decode_tokens, matches
 from services.coordinator.errors import responses
+from services.coordinator.state import RunState
+from services.envs.base import Environment
 
 NO_CACHE = {"Cache-Control": "no-store"}
 
@@ -28,31 +34,42 @@ def _finite(name: str, v: float | None) -> float | None:
     return v
 
 
-async def episode_record(coord: Any, episode_id: str) -> dict[str, Any]:
-    """The episode's record: from the coordinator's recent ones, else from the run's episode hash, else from
-    the transcript archive (services/coordinator/archive.py); else a 404."""
-    rec = coord.episodes.get(episode_id)
+class EpisodeSource(Protocol):
+    """Where episodes are read (the coordinator's episode log, episodes.py)."""
+
+    recent: dict[str, dict[str, Any]]
+
+    async def find(self, episode_id: str) -> dict[str, Any] | None: ...
+
+    async def tokens(self, episode_id: str) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class DashboardSource:
+    """What the dashboard reads: the run's config and environment, its state, its episodes, the players'
+    tokenizers (``tokenizer_for``, blocking), the bus and the coordinator's reply stream (for the pipeline)."""
+
+    cfg: TandemConfig
+    env_cls: type[Environment]
+    state: RunState
+    episodes: EpisodeSource
+    tokenizer_for: Callable[[Player], Any]
+    bus: Bus
+    reply_stream: str
+
+
+async def episode_record(episodes: EpisodeSource, episode_id: str) -> dict[str, Any]:
+    """The episode's record: from the recent ones, else from the run's episode hash, else from the
+    transcript archive (services/coordinator/archive.py); else a 404."""
+    rec = await episodes.find(episode_id)
     if rec is None:
-        raw = await coord.bus.redis.hget(coord.bus.streams.episodes(), episode_id)
-        rec = json.loads(raw) if raw is not None else await asyncio.to_thread(coord.archive.find, episode_id)
-        if rec is None:
-            raise HTTPException(404, f"no episode {episode_id!r}")
-        rec.pop("reply_tokens", None)  # archived with the record; served by the tokens route
-    return dict(rec)
+        raise HTTPException(404, f"no episode {episode_id!r}")
+    return rec
 
 
-async def episode_tokens(coord: Any, episode_id: str) -> dict[str, Any] | None:
-    """The episode's reply tokens: kept in Redis for recent episodes, in the archive with older ones."""
-    data = await load_tokens(coord.bus, episode_id)
-    if data is None:
-        archived = await asyncio.to_thread(coord.archive.find, episode_id)
-        data = (archived or {}).get("reply_tokens")
-    return data
-
-
-def create_routes(router: FastAPI, coord: Any, index: Path, guard: list[Any]) -> None:
+def create_routes(router: FastAPI, source: DashboardSource, index: Path, guard: list[Any]) -> None:
     """The page and ``/v1/dashboard/info`` (open), the data routes (behind ``guard``)."""
-    env_cls = coord.env_cls
+    env_cls, state, kept = source.env_cls, source.state, source.episodes
 
     @router.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -60,16 +77,16 @@ def create_routes(router: FastAPI, coord: Any, index: Path, guard: list[Any]) ->
 
     @router.get("/v1/dashboard/info")
     async def info() -> dict[str, Any]:
-        cfg = coord.cfg
+        cfg = source.cfg
         return {"run": cfg.run.name, "environment": cfg.environment.name, "roles": cfg.environment.roles,
                 "env_roles": list(env_cls.roles), "agents": {a: {"train": c.train} for a, c in cfg.agents.items()},
                 "total_steps": cfg.run.total_steps, "token_required": bool(cfg.api.token),
-                "started_at": coord.state.started_at}
+                "started_at": state.started_at}
 
     @router.get("/v1/dashboard/pipeline", dependencies=guard, responses=responses(401))
     async def pipeline() -> dict[str, Any]:
-        return {"gates": {a: gate(s) for a, s in coord.state.agents.items()},
-                "services": await services(coord)}
+        return {"gates": {a: gate(s) for a, s in state.agents.items()},
+                "services": await services(source.bus, source.reply_stream, source.cfg.agents, state.agents)}
 
     @router.get("/v1/dashboard/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
@@ -80,23 +97,23 @@ def create_routes(router: FastAPI, coord: Any, index: Path, guard: list[Any]) ->
         _finite("min_reward", min_reward)
         _finite("max_reward", max_reward)
         if role and role not in env_cls.roles:
-            raise HTTPException(422, f"role {role!r} is not a role of {coord.cfg.environment.name} "
+            raise HTTPException(422, f"role {role!r} is not a role of {source.cfg.environment.name} "
                                      f"({', '.join(env_cls.roles)})")
-        recs = [r for r in reversed(list(coord.episodes.values()))
+        recs = [r for r in reversed(list(kept.recent.values()))
                 if matches(r, agent or None, role or None, purpose, min_reward, max_reward)]
         return {"total": len(recs), "episodes": [brief(r) for r in recs[offset: offset + limit]]}
 
     @router.get("/v1/dashboard/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404))
     async def episode(episode_id: str) -> dict[str, Any]:
-        rec = await episode_record(coord, episode_id)
+        rec = await episode_record(kept, episode_id)
         return rec | {"board": board(env_cls, rec)}
 
     @router.get("/v1/dashboard/episodes/{episode_id}/tokens", dependencies=guard,
                 responses=responses(401, 404))
     async def tokens(episode_id: str) -> dict[str, Any]:
-        await episode_record(coord, episode_id)
-        data = await episode_tokens(coord, episode_id)
+        await episode_record(kept, episode_id)
+        data = await kept.tokens(episode_id)
         if data is None:
             raise HTTPException(404, f"the tokens of episode {episode_id!r} are no longer kept (or it had no "
                                      "model turn)")
-        return await asyncio.to_thread(decode_tokens, data, coord.tokenizer_for)
+        return await asyncio.to_thread(decode_tokens, data, source.tokenizer_for)
