@@ -5,10 +5,10 @@ unless the rollout's fleet has already killed and restarted it (docs/guides/reco
 Asserted: ``/v1/status`` names the silent engine (``silent_s``; the live view's line, ``silent_engines``) within
 ``NAMED_WITHIN_S``; the fleet restarts it within ``RESTART_WITHIN_S`` (its ``max_failures`` x ``health_timeout``
 plus the engine's start); B trains again within ``RESUMED_WITHIN_S`` of the restart (its failed turns are
-held for the fleet); agent A's steps advance while B's engine is stopped (only those of A's groups that get
-launched: the coordinator launches groups in order, so A's next group waits behind B's held one, each B group
-until its group timeout); the run finishes every step of both agents; the audit of the run's AOF finds no
-sample lost and none trained twice. Printed: the seconds to the message, to the restart and to B's next step,
+held for the fleet); agent A's steps advance while B's engine is stopped (A's groups launch past B's held ones,
+but B's waiting episodes hold the coordinator's shared episode slots, each B group until its group timeout);
+the run finishes every step of both agents; the audit of the run's AOF finds no sample lost and none trained
+twice. Printed: the seconds to the message, to the restart and to B's next step,
 A's steps during the stop, and the audit.
 """
 

@@ -53,7 +53,7 @@ class GroupPlay:
         """Group ``index`` into the ledger, in flight for its agents, then played beside the run loop."""
         agents = self.trained(roles)
         group_id = f"g{index:06d}-{new_id()[:8]}"
-        await self.ledger.launch(group_id, index, agents)
+        await self.ledger.launch(group_id, index, agents, *self.state.after_launch(index))
         for agent in agents:
             self.state.agents[agent].in_flight_groups += 1
         task = asyncio.create_task(self.run_group(index, roles, group_id))

@@ -92,7 +92,8 @@ class GroupLedger:
         """``archive_dir`` (the run directory) and ``horizons`` (agent -> versions a group's outcome is kept
         in Redis past its weight version, ``horizon``) enable ``prune``; without them nothing is pruned."""
         self.bus, self.agents = bus, agents
-        self.k_launched = bus.streams.key("coord:groups_launched")
+        self.k_launched = bus.streams.key("coord:groups_launched")  # every group index below: launched
+        self.k_ahead = bus.streams.key("coord:groups_ahead")  # indices above it launched past a gated group
         self.archive_dir, self.horizons = archive_dir, horizons or {}
         self._forget = bus.redis.register_script(FORGET)
 
@@ -103,16 +104,21 @@ class GroupLedger:
     def key(self, agent: str) -> str:
         return self.bus.streams.group_ledger(agent)
 
-    async def launch(self, group_id: str, index: int, agents: set[str]) -> None:
-        """The group starts playing; the run's group counter moves past ``index`` in the same step (repeatable:
-        a Redis outage is waited out with the bus's backoff)."""
+    async def launch(self, group_id: str, index: int, agents: set[str], launched: int | None = None,
+                     ahead: set[int] | None = None) -> None:
+        """The group starts playing; in the same step the run's launched indices become ``launched`` (every
+        index below it) and ``ahead`` (those above it; default: ``index + 1`` and none), so a restart launches
+        each index once (repeatable: a Redis outage is waited out with the bus's backoff)."""
         entry = LedgerEntry(state=GroupState.PLAYING, at=time.time(), index=index).dump()
 
         async def write() -> None:
             async with self.bus.redis.pipeline(transaction=True) as pipe:
                 for agent in sorted(agents):
                     pipe.hset(self.key(agent), group_id, entry)
-                pipe.set(self.k_launched, index + 1)
+                pipe.set(self.k_launched, index + 1 if launched is None else launched)
+                pipe.delete(self.k_ahead)
+                if ahead:
+                    pipe.sadd(self.k_ahead, *sorted(ahead))
                 await pipe.execute()
 
         await self.bus.retrying("launching a group", write)
@@ -246,3 +252,6 @@ class GroupLedger:
 
     async def groups_launched(self) -> int:
         return int(await self.bus.redis.get(self.k_launched) or 0)
+
+    async def launched_ahead(self) -> set[int]:
+        return {int(i) for i in await self.bus.redis.smembers(self.k_ahead)}

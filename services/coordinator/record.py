@@ -91,7 +91,7 @@ async def restore_run(st: RunState, record: RunRecord, ledger: GroupLedger) -> t
     flags = await record.load()
     st.started_at, st.paused, st.stop_requested = flags.started_at, flags.paused, flags.stop_requested
     st.error, st.episodes_done = flags.error, flags.episodes_done
-    st.groups_launched = await ledger.groups_launched()
+    st.groups_launched, st.launched_ahead = await ledger.groups_launched(), await ledger.launched_ahead()
     evals = await record.evals()
     st.restore_evals(evals)
     paths = {}

@@ -6,7 +6,8 @@ replies back), the players (players.py: tokenizers, each agent's pool of version
 group play (groups.py: a group launched, played, emitted or abandoned) and the events folded into the run
 state (events.py). The stream handlers are ``router.on_reply`` (replies), ``events.on_event`` (events) and
 ``on_control`` (control). Main loop (``run``): evaluate every agent against the env's scripted opponents;
-launch GRPO groups while the staleness gate allows (state.py) and the run is not paused, evaluating every
+launch GRPO groups while the staleness gate allows (state.py) and the run is not paused (past a group
+whose agents' gates are closed, to the next whose are open), evaluating every
 ``eval.every_n_steps`` beside them; when every agent has loaded its last version, evaluate again, write the
 report and tell all services to stop. Restartable: ``restore`` rebuilds the run state from Redis (record.py,
 ledger.py).
@@ -40,6 +41,7 @@ from services.coordinator.state import RunState
 from services.envs.registry import check_environment_config
 
 log = logging.getLogger("tandem.coordinator")
+LOOKAHEAD = 64  # group indices looked at past held ones (the matchup cycle is far shorter)
 
 
 class Coordinator:
@@ -106,28 +108,51 @@ class Coordinator:
             return False
         return any(a.wants_groups() for a in self.state.agents.values())
 
-    def may_launch(self, roles: dict[str, Player], index: int) -> bool:
-        wanting = [self.state.agents[a] for a in sorted(self.groups.trained(roles))
-                   if self.state.agents[a].wants_groups()]
-        return bool(wanting) and not self.state.closed_gates(index, wanting)  # noted for /v1/status
+    def next_group(self) -> tuple[int, dict[str, Player]] | None:
+        """The group to launch (or pass over) now, or None to wait: the lowest index not yet launched whose
+        training agents may launch. A group whose training agents are all held (a closed gate, or no group
+        wanted) is skipped and launched once they open, so one agent's stall does not stop another's groups;
+        one where some may launch waits for the rest, and so do the groups behind it. Each agent's groups
+        still launch in index order, and a restart launches the same ones (``launched_ahead``, ledger.py)."""
+        first = True
+        for index in self.state.unlaunched(LOOKAHEAD):
+            roles = self.groups.roles_for_group(index)
+            if index == self.state.groups_launched and self.passes_over(roles):
+                return index, roles
+            wanting = [self.state.agents[a] for a in sorted(self.groups.trained(roles))
+                       if self.state.agents[a].wants_groups()]
+            if not wanting:
+                continue
+            # the first group held is noted in ``gate_wait`` for /v1/status
+            blocked = (self.state.closed_gates(index, wanting) if first
+                       else [a.name for a in wanting if a.blocked_by_staleness()])
+            if not blocked:
+                return index, roles
+            if len(blocked) < len(wanting):
+                return None
+            first = False
+        return None
 
     async def training_loop(self) -> None:
         self.state.phase = "training"
         changed = self.events.changed
         while not self.state.stop_requested:
-            roles = self.groups.roles_for_group(self.state.groups_launched)
             async with changed:
-                await changed.wait_for(lambda r=roles: self.state.stop_requested or self.all_finished() or (
-                    not self.state.paused and (self.may_launch(r, self.state.groups_launched) or self.passes_over(r))))
+                await changed.wait_for(lambda: self.state.stop_requested or self.all_finished() or (
+                    not self.state.paused and self.next_group() is not None))
             if self.state.stop_requested or self.all_finished():
                 break
-            if self.passes_over(roles):
-                self.state.groups_launched += 1  # no ledger entry: nobody trains on it; a restart passes it again
-                self.state.gate_wait = None
+            if (chosen := self.next_group()) is None:
                 continue
-            index = self.state.groups_launched
+            index, roles = chosen
+            if index == self.state.groups_launched and self.passes_over(roles):
+                # no ledger entry: nobody trains on it; a restart passes it again
+                self.state.groups_launched, self.state.launched_ahead = self.state.after_launch(index)
+                if self.state.gate_wait is not None and self.state.gate_wait.index == index:
+                    self.state.gate_wait = None
+                continue
             await self.groups.launch(index, roles)
-            self.state.launched(index)  # groups_launched += 1
+            self.state.launched(index)  # into groups_launched, or launched_ahead past a held group
 
     def all_finished(self) -> bool:
         return all(a.finished for a in self.state.agents.values())

@@ -6,10 +6,12 @@ The launch gate (docs/architecture.md §4) lives here: agent X blocks a new grou
 filtered) or one abandoned (see ledger.py) is replaced; with
 ``max_staleness = 0`` no group for step k+1 starts before version k+1 is
 loaded on every engine. A group starts when some agent in it still wants
-groups and no agent that still wants groups is blocked. Groups launch one at a time, in order: the
-next group waits while any gate of its agents is closed, and ``GateWait`` says which gates hold it;
-each agent's ``gate`` in the status counts the groups its gate held back and the groups it played
-in that another agent's gate held back (§4).
+groups and no agent that still wants groups is blocked. Groups launch one at a time, lowest index first:
+a group whose training agents are all gated is skipped for the next one whose agents are not
+(``launched_ahead``, and back to it once they open); one where only some are gated waits, and the
+groups behind it too. ``GateWait`` says which gates hold the first held group; each agent's ``gate``
+in the status counts the groups its gate held back and the groups it played in that another agent's
+gate held back (§4).
 """
 
 from __future__ import annotations
@@ -166,7 +168,8 @@ class RunState:
     agents: dict[str, AgentState] = field(default_factory=dict)
     episodes_done: int = 0
     episode_times: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
-    groups_launched: int = 0
+    groups_launched: int = 0  # every group index below is launched (or passed over: nobody trains on it)
+    launched_ahead: set[int] = field(default_factory=set)  # indices above it launched past a gated group
     gate_wait: GateWait | None = None  # the next group, while a gate holds it
     episodes_failed: dict[str, dict[str, int]] = field(default_factory=dict)  # purpose -> total/agent (failures.py)
 
@@ -188,12 +191,32 @@ class RunState:
             self.gate_wait.held_by.update(blocked)
         return blocked
 
+    def after_launch(self, index: int) -> tuple[int, set[int]]:
+        """``groups_launched`` and ``launched_ahead`` once group ``index`` (not yet launched) is launched."""
+        ahead = self.launched_ahead | {index}
+        low = self.groups_launched
+        while low in ahead:
+            ahead.discard(low)
+            low += 1
+        return low, ahead
+
+    def unlaunched(self, count: int) -> list[int]:
+        """The ``count`` lowest group indices not yet launched, in order."""
+        out, index = [], self.groups_launched
+        while len(out) < count:
+            if index not in self.launched_ahead:
+                out.append(index)
+            index += 1
+        return out
+
     def launched(self, index: int) -> None:
-        """Group ``index`` launched: count the wait, if a gate held it, against each gate that did."""
-        self.groups_launched += 1
-        wait, self.gate_wait = self.gate_wait, None
+        """Group ``index`` launched (or passed over): count the wait, if a gate held it, against each gate that
+        did. A group launched past a held one leaves that wait as it is."""
+        self.groups_launched, self.launched_ahead = self.after_launch(index)
+        wait = self.gate_wait
         if wait is None or wait.index != index:
             return
+        self.gate_wait = None
         for name in wait.held_by:
             self.agents[name].groups_held += 1
             self.agents[name].held_s += time.time() - wait.since
