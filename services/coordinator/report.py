@@ -60,6 +60,10 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
         agents[name] = {
             "weight_versions": len(a.loaded_weight_versions),
             "last_weight_version": a.loaded_weight_version,
+            # the versions the agent's engines loaded, and those its trainer committed (its signed train log): a
+            # version the rollout could not load while its engines were down is passed over for a newer one
+            "loaded_versions": sorted(a.loaded_weight_versions),
+            "published_versions": sorted(int(t["weight_version"]) for t in a.train_steps),
             "steps": len(a.train_steps),
             "reward_first_quarter": first,
             "reward_last_quarter": last,
