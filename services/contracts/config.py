@@ -251,7 +251,7 @@ class RunConfig(Strict):
     done_ids_grace_s: float = Field(600.0, ge=10, description="how long every service waits out an unreachable "
                                     "or full Redis (then it gives up), and so how long past the stream's retained "
                                     "entries a consumer group keeps the ids it handled: the done-id sets level off "
-                                    "at about grace x messages per second x ~80 bytes (docs/guides/recovery.md)")
+                                    "at about grace x messages per second x 80-95 bytes (docs/guides/recovery.md)")
     transcripts_kept: int = Field(1000, ge=1, description="episode transcripts kept in Redis per purpose (train, "
                                   "eval); older ones are archived to runs/<run>/transcripts.jsonl.gz")
     state_kept_steps: int = Field(50, ge=4, description="per-step state kept in Redis, in training steps: the "

@@ -1,9 +1,10 @@
 """TensorBoard event files without torch: the scalars and texts the run logger writes (tracking.py).
 
-``torch.utils.tensorboard.SummaryWriter`` imports torch (seconds), and the coordinator runs no model
-(docs/architecture.md §1). This writer writes the same records through TensorBoard's own event-file
-writer: a scalar as ``simple_value`` under its tag, a text as a ``DT_STRING`` tensor with the text
-plugin's metadata under ``<tag>/text_summary``, as SummaryWriter's ``add_scalar`` and ``add_text`` do.
+``torch.utils.tensorboard.SummaryWriter`` imports torch (seconds), and the coordinator runs no model: only
+engines and trainers import torch (docs/architecture.md §9, its start-up paragraph). This writer writes the
+same records through TensorBoard's own event-file writer: a scalar as ``simple_value`` under its tag, a text
+as a ``DT_STRING`` tensor with the text plugin's metadata under ``<tag>/text_summary``, as SummaryWriter's
+``add_scalar`` and ``add_text`` do.
 """
 
 from __future__ import annotations
