@@ -52,7 +52,7 @@ def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, wa
                       checkpoint_root=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "runs"))
     cfg["api"] = {"port": 0}
     # self-play, both sides kept unless they lost (the test's small model makes illegal moves: few outright wins)
-    cfg["pipeline"] = {"episodes": EPISODES, "min_reward": 0.0, "sft": {"epochs": 4, "batch_size": 8, "lr": 1e-3}}
+    cfg["pipeline"] = {"episodes": EPISODES, "min_reward": 0.0, "sft": {"epochs": 8, "batch_size": 8, "lr": 1e-3}}
     cfg["environment"].update(group_size=4, eval={"episodes": 4})
     cfg["agents"]["A"].update(model_path=str(warm_model_dir), groups_per_batch=2)
     path = tmp_path / "pipe.yaml"
@@ -71,7 +71,7 @@ def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, wa
     # SFT: from the model that collected, on its file, one version per step; the file's NLL went down
     sft = manifest["sft"]["A"]
     assert sft["start_model"] == str(warm_model_dir) and sft["dataset"] == collected["file"]
-    steps = 4 * -(-len(rows) // 8)
+    steps = 8 * -(-len(rows) // 8)
     assert sft["steps"] == sft["weight_version"] == steps and sft["samples"] == len(rows)
     assert sft["checkpoint"] == str((tmp_path / "ckpt" / "pipe-sft" / "A" / f"v{steps:05d}").resolve())
     before, after = file_nll(str(warm_model_dir), collected["file"]), file_nll(sft["checkpoint"], collected["file"])
