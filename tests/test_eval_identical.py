@@ -76,4 +76,7 @@ def test_summary_has_eval_curves_and_training_illegal_rate(run: tuple[Path, dict
             assert all(p["score_ci95"][0] <= p["score"] <= p["score_ci95"][1] for p in curve)
         assert 0 <= a["train_illegal_rate"] <= 1
         assert [p["weight_version"] for p in a["train_play"]][:1] == [0]
-        assert sum(p["episodes"] for p in a["train_play"]) >= 2 * 2 * 4  # 2 steps x 2 groups x 4 episodes
+        # 2 steps x 2 groups x 4 episodes; a game ends at once on an illegal reply, so an episode whose first
+        # mover (the other agent) replied illegally before this agent's first turn is not this agent's play
+        ended_first = sum(p["invalid_episodes"] for p in summary["agents"][{"A": "B", "B": "A"}[agent]]["train_play"])
+        assert sum(p["episodes"] for p in a["train_play"]) + ended_first >= 2 * 2 * 4
