@@ -14,11 +14,11 @@ import torch
 from pydantic import ValidationError
 
 from services.contracts.config import AgentConfig, AlgorithmConfig
-from services.contracts.messages import Sample, SamplingParams, turn_spans
+from services.contracts.messages import GenerateReply, Sample, SamplingParams, turn_spans
 from services.contracts.players import AgentPlayer
 from services.envs.guess_number import GuessNumber
 from services.inference.generator import Engine
-from services.play.episode import turn_credit
+from services.play.episode import View, turn_credit
 from services.play.local import EnginePlayers
 from services.training.algorithms import make_algorithm
 from services.training.backends import make_policy
@@ -35,19 +35,29 @@ def sample(group: str, turn_rewards: list[float], mask: list[int] = MASK, sid: s
                   reward=sum(turn_rewards), weight_versions=[0] * len(turn_spans(mask)), turn_rewards=turn_rewards)
 
 
+def reply(tokens: int, version: int = 0) -> GenerateReply:
+    return GenerateReply(request_id="r", agent="A", episode_id="e", turn=0, output_ids=[7] * tokens,
+                         output_logprobs=[-0.5] * tokens, finish_reason="stop", weight_version=version, engine="A-0")
+
+
 def test_each_turn_earns_its_rewards_until_the_next_and_the_last_the_final() -> None:
-    transcript = [
-        {"role": "answerer", "turn_rewards": {"guesser": 0.5}},                     # before the first turn
-        {"role": "guesser", "tokens": 2, "turn_rewards": {"guesser": -0.1}},
-        {"role": "answerer", "turn_rewards": {"guesser": -0.2}},                    # the opponent's turn
-        {"role": "guesser", "tokens": 0, "turn_rewards": {"guesser": -0.1}},        # no token: no turn of its own
-        {"role": "guesser", "tokens": 3, "turn_rewards": {"guesser": -0.1, "answerer": 9.0}},
-    ]
+    view = View(player=AgentPlayer(agent="A"), role="guesser")
+    view.earn(0.5)                                     # before the first turn
+    view.add_context([1, 2])
+    view.add_reply(reply(2), 1)
+    view.earn(-0.1)
+    view.earn(-0.2)                                    # the opponent's turn
+    view.add_context([3])
+    view.add_reply(reply(0), 3)                        # no token: no turn of its own
+    view.earn(-0.1)
+    view.add_context([4])
+    view.add_reply(reply(3), 4)
+    view.earn(-0.1)
     total = 0.5 - 0.1 - 0.2 - 0.1 - 0.1 + 1.0  # the per-turn rewards plus a final +1
-    credit = turn_credit(transcript, "guesser", total)
+    credit = turn_credit(view, total)
     assert credit == pytest.approx([0.5 - 0.1 - 0.2 - 0.1, -0.1 + 1.0])
     assert math.isclose(sum(credit), total)
-    assert turn_credit(transcript, "nobody", 0.0) == []
+    assert turn_credit(View(player=AgentPlayer(agent="A"), role="nobody"), 0.0) == []
 
 
 def test_the_contract_holds_turn_rewards_to_the_turns_and_the_reward() -> None:
