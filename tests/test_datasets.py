@@ -1,5 +1,5 @@
-"""Dataset-backed tasks (``environment.params.dataset``): formats, splits, field mappings, the held-out split
-for evaluation, and errors at start that name the parameter."""
+"""Dataset-backed tasks (``environment.dataset`` or ``environment.params.dataset``): formats, splits, field
+mappings, the held-out split for evaluation, and errors at start that name the field."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.common.extras import installed
-from services.contracts.config import EnvironmentConfig
+from services.contracts.config import ConfigError, EnvironmentConfig, parse_config
 from services.envs.datasets import DatasetSpec
 from services.envs.registry import check_environment_config, load_environment
 from tests.helpers import REPO
@@ -81,3 +81,39 @@ def test_a_datasets_directory_without_the_library_names_the_extra(tmp_path: Path
     (tmp_path / "hf").mkdir()
     with pytest.raises(ValueError, match=r"hf-datasets"):
         check_environment_config(env_config("math", {"path": str(tmp_path / "hf")}))
+
+
+def test_a_top_level_dataset_feeds_the_environment_and_its_held_out_split(tmp_path: Path) -> None:
+    spec = {"path": WORDS, "split_column": "split", "eval_split": "test"}
+    train = {r["question"] for r in DatasetSpec(**spec).rows()}
+    test = {r["question"] for r in DatasetSpec(**spec).rows("test")}
+    for name in ("math", "tool_math"):
+        cfg = EnvironmentConfig(name=name, dataset=spec, roles={"solver": "A"}, eval={"opponent": "oracle"})
+        env_cls = check_environment_config(cfg)
+        assert {env_cls(cfg.env_params(), seed).task.prompt for seed in range(30)} <= train
+        held_out = env_cls.evaluation_params(cfg.env_params())
+        assert {env_cls(held_out, seed).task.prompt for seed in range(20)} <= test
+    data = {"run": {"name": "d"}, "agents": {"A": {"model_path": str(tmp_path)}},
+            "environment": {"name": "math", "roles": {"solver": "A"}, "dataset": {"split": "train"}}}
+    with pytest.raises(ConfigError, match=r"environment\.dataset\.path: Field required"):
+        parse_config(data)
+    data["environment"].update(dataset=spec, params={"dataset": spec})
+    with pytest.raises(ConfigError, match=r"environment: .*dataset: also given as params\.dataset"):
+        parse_config(data)
+
+
+def test_a_bad_top_level_dataset_fails_at_start_naming_environment_dataset(tmp_path: Path) -> None:
+    def top(name: str, dataset: dict, roles: dict | None = None) -> EnvironmentConfig:
+        return EnvironmentConfig(name=name, dataset=dataset, roles=roles or {"solver": "A"})
+
+    with pytest.raises(ValueError, match=r"^environment\.dataset\.path: .*no such file"):
+        check_environment_config(top("math", {"path": str(tmp_path / "missing.jsonl")}))
+    with pytest.raises(ValueError, match=r"^environment\.dataset: .*fields\.question: no column 'q'"):
+        check_environment_config(top("tool_math", {"path": WORDS, "fields": {"question": "q"}}))
+    with pytest.raises(ValueError, match=r"^environment\.dataset: .*fields\.prompt: no column 'prompt'"):
+        check_environment_config(top("code", {"path": CODE}))
+    with pytest.raises(ValueError, match=r"^environment\.dataset: tictactoe takes no dataset .*math, math_critic"):
+        check_environment_config(top("tictactoe", {"path": WORDS}, {"X": "A", "O": "scripted:random"}))
+    with pytest.raises(ValueError, match=r"^environment\.params\.max_operand: "):  # params keep their own name
+        check_environment_config(EnvironmentConfig(name="math", dataset={"path": WORDS}, params={"max_operand": 0},
+                                                   roles={"solver": "A"}))

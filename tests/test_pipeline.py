@@ -1,5 +1,5 @@
 """``tandem pipeline``: configs/pipeline_demo.yaml's collect → SFT → RL on the demo model (smaller), each stage's
-checkpoint feeding the next."""
+checkpoint feeding the next; and with LoRA in both stages (the SFT adapters merged into the RL stage's model)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.adapter_dir import base_of, is_adapter_dir
 from services.training.algorithms import masked_mean
 from services.training.grpo import token_logprobs
 from services.training.sft_file import file_samples
@@ -46,17 +48,23 @@ def distance(a: str, b: str) -> float:
     return sum(float((wa[k] - wb[k]).pow(2).sum()) for k in wa) ** 0.5
 
 
-def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, warm_model_dir: Path):
+def pipe_config(tmp_path: Path, model: Path, episodes: int = EPISODES, sft_lr: float = 1e-3, **agent: Any) -> Path:
+    """configs/pipeline_demo.yaml made small, written to ``tmp_path``; ``agent``: more of agents.A's fields."""
     cfg = yaml.safe_load((REPO / "configs" / "pipeline_demo.yaml").read_text())
     cfg["run"].update(name="pipe", total_steps=RL_STEPS, concurrent_episodes=16,
                       checkpoint_root=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "runs"))
     cfg["api"] = {"port": 0}
     # self-play, both sides kept unless they lost (the test's small model makes illegal moves: few outright wins)
-    cfg["pipeline"] = {"episodes": EPISODES, "min_reward": 0.0, "sft": {"epochs": 8, "batch_size": 8, "lr": 1e-3}}
+    cfg["pipeline"] = {"episodes": episodes, "min_reward": 0.0, "sft": {"epochs": 8, "batch_size": 8, "lr": sft_lr}}
     cfg["environment"].update(group_size=4, eval={"episodes": 4})
-    cfg["agents"]["A"].update(model_path=str(warm_model_dir), groups_per_batch=2)
+    cfg["agents"]["A"].update(model_path=str(model), groups_per_batch=2, **agent)
     path = tmp_path / "pipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, warm_model_dir: Path):
+    path = pipe_config(tmp_path, warm_model_dir)
     proc = pipeline(path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = json.loads((tmp_path / "runs" / "pipe-pipeline" / "pipeline.json").read_text())
@@ -92,3 +100,21 @@ def test_collect_then_sft_then_rl_each_stage_feeding_the_next(tmp_path: Path, wa
 
     again = pipeline(path)  # every stage's output is kept: a second run is refused before any stage
     assert again.returncode == 2 and "already has state" in again.stderr and "--fresh" in again.stderr
+
+
+def test_the_pipeline_with_lora_merges_the_sft_adapters_and_rl_trains_new_ones_on_that(tmp_path: Path,
+                                                                                       warm_model_dir: Path):
+    lora = {"r": 8, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}
+    proc = pipeline(pipe_config(tmp_path, warm_model_dir, episodes=16, sft_lr=3e-3, lora=lora))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "runs" / "pipe-pipeline" / "pipeline.json").read_text())
+    sft, file = manifest["sft"]["A"], manifest["collect"]["file"]
+    assert sft["lora"]["r"] == 8 and not is_adapter_dir(sft["checkpoint"])  # a full model: the adapters merged in
+    before, after = file_nll(str(warm_model_dir), file), file_nll(sft["checkpoint"], file)
+    assert after < before - 0.05, (before, after)
+    assert after == pytest.approx(sft["nll_after"], rel=1e-3)
+    rl = manifest["rl"]
+    assert rl["exit_code"] == 0 and rl["agents"]["A"]["model_path"] == sft["checkpoint"]
+    last = Path(rl["agents"]["A"]["last_checkpoint"])
+    assert last.name == f"v{RL_STEPS:05d}" and is_adapter_dir(last)  # RL's own adapters, on the merged model
+    assert base_of(last) == sft["checkpoint"]

@@ -1,6 +1,7 @@
 """Supervised training from a chat-format JSONL file: the view and mask of a file sample, the SFT loss's
-gradient only on assistant tokens, ``agents.X.sft`` validation naming the field, a short training run, and
-``tandem sft`` with the refusals of ``tandem up`` and ``tandem pipeline``."""
+gradient only on assistant tokens, ``agents.X.sft`` validation naming the field, short training runs (every
+weight; LoRA, whose checkpoint is the base with the adapter merged in), and ``tandem sft`` with the refusals of
+``tandem up`` and ``tandem pipeline``."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.adapter_dir import is_adapter_dir
 from services.contracts.config import ConfigError, SftRecord, parse_config
 from services.launcher.preflight import preflight
 from services.training.algorithms import make_algorithm, make_inputs
 from services.training.grpo import token_logprobs
-from services.training.sft_file import file_sample, file_samples, train_from_file
+from services.training.sft_file import file_sample, file_samples, mean_nll, train_from_file
 from services.training.step import pad_batch
+from services.training.torch_backend import TorchPolicy
 from tests.helpers import REPO
 
 RECORD = {"messages": [{"role": "system", "content": "You play tic-tac-toe."},
@@ -128,6 +132,30 @@ def test_train_from_file_lowers_the_files_nll_and_writes_the_last_version(tiny_m
     assert result.nll_after < result.nll_before - 0.1, result
     report = json.loads((tmp_path / "out" / "sft_report.json").read_text())
     assert report["checkpoint"] == result.checkpoint and report["start_model"] == str(tiny_model_dir)
+
+
+def test_sft_with_lora_writes_the_base_with_the_adapter_merged_in_as_a_model_path(tiny_model_dir: Path,
+                                                                                   tmp_path: Path):
+    rows = [{"messages": [{"role": "user", "content": f"Board {i}. Your move?"},
+                          {"role": "assistant", "content": str(1 + i % 9)}]} for i in range(8)]
+    path = write_jsonl(tmp_path / "moves.jsonl", rows)
+    cfg = config(tiny_model_dir, {"dataset": str(path), "epochs": 3, "batch_size": 4})
+    cfg["agents"]["A"]["algorithm"]["lr"] = 1e-2
+    cfg["agents"]["A"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    result = train_from_file(parse_config(cfg).agents["A"], "A", tmp_path / "out")
+    assert result.steps == 6 and result.lora is not None and result.lora["r"] == 4
+    assert result.nll_after < result.nll_before - 0.1, result
+    ckpt = Path(result.checkpoint)
+    assert not is_adapter_dir(ckpt) and (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
+    start, merged = load_file(tiny_model_dir / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    assert not any("lora_" in k or "base_layer" in k for k in merged) and set(start) <= set(merged)
+    changed = {k for k in start if not torch.equal(start[k], merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for k in changed)
+    # the next stage starts from it as its model_path, here with LoRA of its own (new adapters: B = 0)
+    cfg["agents"]["A"]["model_path"] = str(ckpt)
+    after = TorchPolicy(parse_config(cfg).agents["A"], temperature=1.0)
+    samples, _ = file_samples(after.tokenizer, str(path), "A")
+    assert mean_nll(after, samples, 4) == pytest.approx(result.nll_after, rel=1e-4)
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:

@@ -69,7 +69,7 @@ class GroupPlay:
 
     async def play_group(self, index: int, roles: dict[str, Player], group_id: str) -> list[EpisodeResult]:
         seed, shared = self.cfg.run.seed * 1_000_003 + index, self.cfg.environment.scripted_rng == "group"
-        envs = self.env_cls.make_group(self.cfg.environment.params, seed, self.cfg.environment.group_size)
+        envs = self.env_cls.make_group(self.cfg.environment.env_params(), seed, self.cfg.environment.group_size)
         sampling = self.players.sampling_for(roles)
         results = await asyncio.gather(*(self.episodes.play(e, group_id, roles, "train", sampling,
                                                             group_scripted_rng(seed) if shared else None)
