@@ -231,7 +231,7 @@ async def test_a_finished_runs_dashboard_from_its_report(tmp_path: Path) -> None
         assert listed == {"total": 0, "source": "archive", "episodes": []}
         assert (await client.get("/v1/dashboard/episodes/nope")).status_code == 404
     (cfg.run_dir() / "config.json").unlink()
-    with pytest.raises(ValueError, match="--config"):
+    with pytest.raises(ValueError, match="--run-config"):
         FinishedRun.load(cfg.run_dir())
 
 

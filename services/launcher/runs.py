@@ -219,7 +219,7 @@ def dashboard_command(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     argv = [sys.executable, "-m", "services.coordinator.dashboard", str(run.path), "--port", str(args.port),
-            "--host", args.host] + (["--config", args.run_config] if args.run_config else [])
+            "--host", args.host] + (["--run-config", args.run_config] if args.run_config else [])
     os.execv(sys.executable, argv)
     return 0  # not reached
 

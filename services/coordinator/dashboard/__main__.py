@@ -22,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run's directory (runs/<run>)")
     p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
-    p.add_argument("--config", default=None, help="the run's config, for a run directory without config.json")
+    p.add_argument("--run-config", default=None, help="the run's config, for a run directory without config.json")
     args = p.parse_args(argv)
     try:
-        run = FinishedRun.load(Path(args.run_dir), Path(args.config) if args.config else None)
+        run = FinishedRun.load(Path(args.run_dir), Path(args.run_config) if args.run_config else None)
     except (ValueError, OSError, RuntimeError) as exc:
         print(str(exc), file=sys.stderr)
         return 2

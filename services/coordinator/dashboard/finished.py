@@ -1,7 +1,7 @@
 """A finished run's dashboard, read-only, from its files (``tandem dashboard RUN``).
 
 The same page as the live one, served from ``runs/<run>/``: ``config.json`` (the run's config, written with
-its report; ``--config`` for a run without one), ``summary.json`` (status, evaluations, the agents' groups)
+its report; ``--run-config`` for a run without one), ``summary.json`` (status, evaluations, the agents' groups)
 and ``metrics.json`` (the charts), the transcript archive (``transcripts.jsonl.gz``, read through its index,
 or by walking it when it has none) and the newest transcripts, which the run's Redis still held: its AOF
 (``redis/``) is loaded by an embedded Valkey started on a temporary copy, read once and stopped. Nothing
@@ -81,7 +81,7 @@ class FinishedRun:
         path = config or run_dir / CONFIG_NAME
         if not path.is_file():
             raise ValueError(f"{run_dir} has no {CONFIG_NAME} (a run from before it was written): pass the run's "
-                             "config with --config")
+                             "config with --run-config")
         if path.suffix == ".json":
             cfg = parse_config(json.loads(path.read_text()), str(path))
         else:
