@@ -16,7 +16,7 @@ from services.common.bus import Bus
 from services.contracts.config import parse_config
 from services.contracts.players import Local, Scripted
 from services.coordinator.api import create_app
-from services.coordinator.archive import read_archive
+from services.coordinator.archive import archive_find, archive_page, read_archive
 from services.coordinator.scheduler import Coordinator
 from services.envs.tictactoe import TicTacToe
 
@@ -72,6 +72,13 @@ async def test_an_archived_episode_is_served_with_its_tokens(redis_url: str, tin
             assert (await client.get(f"/v1/episodes/{missing}")).status_code == 404
             assert (await client.get(f"/v1/dashboard/episodes/{missing}/tokens")).status_code == 404
         assert (await client.get(f"/v1/episodes/{ids[0]}", headers={"Authorization": ""})).status_code == 401
+        # the dashboard browses the archive, newest first, a page at a time
+        route, newest = "/v1/dashboard/episodes", archived[::-1]
+        first = (await client.get(route, params={"source": "archive", "limit": 3})).json()
+        assert first["total"] == len(archived) and [e["id"] for e in first["episodes"]] == newest[:3]
+        second = (await client.get(route, params={"source": "archive", "limit": 3, "offset": 3})).json()
+        assert [e["id"] for e in second["episodes"]] == newest[3:6]
+        assert (await client.get(route, params={"source": "archive", "purpose": "eval"})).json()["total"] == 0
     index = coord.episode_log.archive.index.read_text().splitlines()
     assert [line.split("\t")[0] for line in index] == archived
     await coord.bus.close()
@@ -83,6 +90,10 @@ async def test_an_older_archive_is_indexed_and_a_torn_tail_is_survived(redis_url
     ids = await _play(coord, tiny_model_dir, 5)
     archived = [r["id"] for r in read_archive(coord.episode_log.archive.path)]
     coord.episode_log.archive.index.unlink()  # an archive written before the index existed
+    path, index = coord.episode_log.archive.path, coord.episode_log.archive.index
+    total, page = archive_page(path, index, lambda r: True, 0, 100)  # read only (a finished run's view)
+    assert total == len(archived) and [r["id"] for r in page] == archived[::-1]
+    assert (archive_find(path, index, archived[-1]) or {}).get("id") == archived[-1] and not index.exists()
     first = coord.episode_log.archive.find(archived[0])
     assert first is not None and first["id"] == archived[0] and "reply_tokens" in first
     assert coord.episode_log.archive.find("a\t0\t1") is None and coord.episode_log.archive.find("") is None

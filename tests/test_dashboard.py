@@ -1,6 +1,6 @@
 """The dashboard's server side, the tic-tac-toe board drawing, the RunLogger (TensorBoard + W&B offline),
-``tandem runs`` / ``tandem compare`` on reports written by the coordinator's own report code, and the
-terminal view's steps per minute and ETA.
+``tandem runs`` / ``tandem compare`` and a finished run's read-only dashboard on reports written by the
+coordinator's own report code, and the terminal view's steps per minute and ETA.
 
 Episodes are played for real (a tiny model in-process against the env's scripted player) through the
 coordinator's own ``_play``, which records them in a real Redis; the routes are called over ASGI.
@@ -205,6 +205,34 @@ def test_runs_and_compare_over_two_reports(tmp_path: Path) -> None:
     by_config = subprocess.run([*cli, "runs", "--config", str(cfg_path)], cwd=REPO, capture_output=True, text=True,
                                env=env)
     assert by_config.returncode == 0 and "second" in by_config.stdout
+
+
+async def test_a_finished_runs_dashboard_from_its_report(tmp_path: Path) -> None:
+    """``tandem dashboard``'s app over a report the coordinator's own code wrote: read-only, no secret kept."""
+    from services.coordinator.dashboard import STATIC
+    from services.coordinator.dashboard.finished import FinishedRun, build_app
+
+    cfg = parse_config(_cfg(tmp_path, api={"token": "s3cret"}))
+    state = _state(cfg, 3, [0.1, 0.4, 0.6])
+    evals = _evals(state)
+    write_report(state, evals, cfg.run_dir(), 12.5)
+    assert "s3cret" not in (cfg.run_dir() / "config.json").read_text()
+    run = FinishedRun.load(cfg.run_dir())
+    transport = httpx.ASGITransport(app=build_app(run, STATIC))
+    async with httpx.AsyncClient(transport=transport, base_url="http://a") as client:
+        info = (await client.get("/v1/dashboard/info")).json()
+        assert info["read_only"] and not info["token_required"] and info["environment"] == "tictactoe"
+        status = (await client.get("/v1/status")).json()
+        assert status["agents"]["A"]["step"] == 3 and status["evals"] == evals
+        assert (await client.get("/v1/metrics")).json()["A"]["group_rewards"] == [list(g) for g in
+                                                                                  state.agents["A"].group_rewards]
+        assert (await client.post("/v1/stop")).status_code == 405
+        listed = (await client.get("/v1/dashboard/episodes", params={"source": "archive"})).json()
+        assert listed == {"total": 0, "source": "archive", "episodes": []}
+        assert (await client.get("/v1/dashboard/episodes/nope")).status_code == 404
+    (cfg.run_dir() / "config.json").unlink()
+    with pytest.raises(ValueError, match="--run-config"):
+        FinishedRun.load(cfg.run_dir())
 
 
 def test_steps_per_minute_and_eta() -> None:

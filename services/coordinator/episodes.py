@@ -89,6 +89,11 @@ class EpisodeLog:
             rec.pop("reply_tokens", None)  # archived with the record; served by the tokens route
         return dict(rec)
 
+    async def archived(self, keep: Callable[[dict[str, Any]], bool], offset: int, limit: int
+                       ) -> tuple[int, list[dict[str, Any]]]:
+        """The archived transcripts ``keep`` passes, newest first: their count and one page (archive.py)."""
+        return await asyncio.to_thread(self.archive.page, keep, offset, limit)
+
     async def tokens(self, episode_id: str) -> dict[str, Any] | None:
         """The episode's reply tokens: kept in Redis for recent episodes, in the archive with older ones."""
         data = await load_tokens(self.bus, episode_id)
