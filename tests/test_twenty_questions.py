@@ -66,3 +66,23 @@ def test_halving_with_a_truthful_clue_finds_every_secret() -> None:
             if result.done:
                 break
         assert env.found and env.lies == 0, env.summary()
+
+
+def test_facts_tell_the_answerer_the_secret_row_and_answering_from_them_is_truthful() -> None:
+    import re
+
+    from services.envs.twenty_questions import yes_no
+
+    for seed in range(60):
+        env = TwentyQuestions({**PARAMS, "facts": True}, seed)
+        note = env.observation("answerer")
+        told = set(re.findall(r"It is ([a-z]+)\.", note)) - {"nothing"}
+        assert told == {a for a in ATTRIBUTES if TABLE[env.secret][a]}, note
+        assert ("It is nothing else." in note) == bool(told)
+        assert "as its facts say" in (env.system_prompt("answerer") or "")
+        asked = env.pending
+        reply = "Yes." if asked in told else "No, it is not."
+        asyncio.run(env.step("answerer", reply))
+        assert env.truthful == 1 and env.lies == 0 and yes_no(reply) == TABLE[env.secret][asked]
+    assert "It is" not in TwentyQuestions(PARAMS, 0).observation("answerer").split("Question")[0].replace(
+        "The secret object is", "")
