@@ -38,6 +38,7 @@ from tests.bench.bench_system import run_up, system_step_times  # noqa: E402
 
 CONFIG = ROOT / "configs" / "llm_answer.yaml"
 STEPS = int(os.environ.get("BENCH_LLM_SYSTEM_STEPS", "4"))
+TIMEOUT_S = float(os.environ.get("BENCH_LLM_SYSTEM_TIMEOUT_S", "3600"))  # a step is minutes on a busy 2-core box
 CANDIDATES = [ROOT / "models" / "smollm2-135m-instruct", Path("/work/models/smollm2-135m-instruct")]
 
 
@@ -78,7 +79,7 @@ def system_arm(tmp: Path, model: Path) -> dict[str, Any]:
     import yaml
 
     name = "bench-llm"
-    result = run_up(tmp, model, name, None, source=CONFIG, steps=STEPS)
+    result = run_up(tmp, model, name, None, source=CONFIG, steps=STEPS, timeout_s=TIMEOUT_S)
     metrics = json.loads((tmp / name / "runs" / name / "metrics.json").read_text())
     gpb = yaml.safe_load(CONFIG.read_text())["agents"]["A"]["groups_per_batch"]
     rows = phases(metrics, gpb)

@@ -105,7 +105,7 @@ def system_step_times(metrics: dict[str, Any]) -> list[float]:
 
 
 def run_up(tmp: Path, model: Path, name: str, staleness: int | None, device: str = "cpu", source: Path = DEMO,
-           steps: int = STEPS) -> dict[str, Any]:
+           steps: int = STEPS, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """One ``tandem up`` of the demo config (or ``source``): first-turn seconds, seconds per step, wall seconds."""
     work = tmp / name
     work.mkdir()
@@ -118,7 +118,7 @@ def run_up(tmp: Path, model: Path, name: str, staleness: int | None, device: str
             first_turn = None
             replies = Streams(name).replies("coordinator")  # (a pattern would match its done set too)
             try:
-                while proc.poll() is None and time.monotonic() - started < RUN_TIMEOUT_S:
+                while proc.poll() is None and time.monotonic() - started < timeout_s:
                     if first_turn is None and client.xlen(replies):
                         first_turn = time.monotonic() - started
                     time.sleep(0.05)
