@@ -106,7 +106,8 @@ def run() -> dict[str, Any]:
     """``make bench``'s entry: the ``system`` section's ``llm_step_time_ratio_vs_in_process`` and ``llm``."""
     model = model_dir()
     if model is None:
-        why = f"no SmolLM2 model (BENCH_LLM_DIR, or {' or '.join(map(str, CANDIDATES))}): `tandem init-model smollm2`"
+        where = os.environ.get("BENCH_LLM_DIR") or " or ".join(map(str, CANDIDATES))
+        why = f"no SmolLM2 model at {where} (BENCH_LLM_DIR names one): `tandem init-model smollm2`"
         return {"system": {"llm": {"skipped": why}}}
     load_before, started = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-llm-system-") as tmp_name:
