@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from services.common.embedded_redis import free_port
+from tests.helpers import run_up
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,8 +51,7 @@ def tandem_up(config: Path, tmp: Path, model: Path, extra: dict[str, str] | None
     for agent in data["agents"]:
         env[f"TANDEM__agents__{agent}__model_path"] = str(model)
         env[f"TANDEM__agents__{agent}__groups_per_batch"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(config)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_up(config, env=env, timeout=timeout)
     summary_path = tmp / "runs" / data["run"]["name"] / "summary.json"
     return proc, (json.loads(summary_path.read_text()) if summary_path.exists() else {})
 

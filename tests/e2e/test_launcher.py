@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from services.common.embedded_redis import free_port
-from tests.helpers import launch_up
+from tests.helpers import launch_up, run_up
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -312,17 +312,12 @@ def test_a_port_left_in_time_wait_is_free_and_a_listening_one_is_not():
 
 # ---- run state: never wiped silently; --fresh wipes; --resume continues --------------------------------------------
 
-def _up(path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(path), *flags], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-
-
 def test_up_refuses_a_run_that_has_state_and_touches_nothing(tmp_path, tiny_model_dir, redis_url):
     path, _ = _config(tmp_path, tiny_model_dir, "kept")
     marker = tmp_path / "ckpt" / "kept" / "v00001" / "model.safetensors"
     marker.parent.mkdir(parents=True)
     marker.write_text("weights")
-    res = _up(path)
+    res = run_up(path)
     assert res.returncode == 2
     assert "run 'kept' already has state" in res.stderr and "--resume" in res.stderr and "--fresh" in res.stderr
     assert "refused, to keep an earlier run's data" in res.stderr and "invalid config" not in res.stderr
@@ -331,7 +326,7 @@ def test_up_refuses_a_run_that_has_state_and_touches_nothing(tmp_path, tiny_mode
     data = yaml.safe_load(path.read_text())
     data["redis_url"] = f"redis://127.0.0.1:{free_port()}/0"
     path.write_text(yaml.safe_dump(data))
-    res = _up(path, "--fresh")
+    res = run_up(path, "--fresh")
     assert res.returncode == 2 and "redis_url: cannot reach" in res.stderr, res.stderr
     assert marker.read_text() == "weights"
     # keys of an earlier run on an external Redis are state too
@@ -342,17 +337,17 @@ def test_up_refuses_a_run_that_has_state_and_touches_nothing(tmp_path, tiny_mode
 
     client = redis_lib.Redis.from_url(redis_url)
     client.set("tandem:kept:state:A:loaded_version", 3)
-    res = _up(path)
+    res = run_up(path)
     assert res.returncode == 2 and "keys tandem:kept:*" in res.stderr, res.stderr
     assert client.get("tandem:kept:state:A:loaded_version") == b"3"
     client.close()
-    res = _up(path, "--resume", "--fresh")
+    res = run_up(path, "--resume", "--fresh")
     assert res.returncode == 2 and "not allowed with" in res.stderr
 
 
 def test_resume_needs_state_and_validate_checks_redis(tmp_path, tiny_model_dir):
     path, _ = _config(tmp_path, tiny_model_dir, "nothing")
-    res = _up(path, "--resume")
+    res = run_up(path, "--resume")
     assert res.returncode == 2 and "run 'nothing' has no state to resume" in res.stderr
     data = yaml.safe_load(path.read_text())
     data["redis_url"] = "http://not-redis"

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from services.common.embedded_redis import free_port
+from tests.helpers import run_up
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "llm_answer.yaml"
@@ -54,8 +53,7 @@ def test_llm_answer_runs_two_steps_on_the_real_model_with_both_agents_trained(re
         env[f"TANDEM__agents__{agent}__model_path"] = str(real_model)
         env[f"TANDEM__agents__{agent}__groups_per_batch"] = "1"
         env[f"TANDEM__agents__{agent}__sampling__max_new_tokens"] = "6"
-    proc = subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(CONFIG)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1100)
+    proc = run_up(CONFIG, env=env, timeout=1100)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads((tmp_path / "runs" / "llm_answer" / "summary.json").read_text())
     assert summary["phase"] == "done" and summary["episodes"] > 0

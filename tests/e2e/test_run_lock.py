@@ -16,7 +16,7 @@ import yaml
 
 from services.contracts.config import parse_config
 from services.launcher import run_lock
-from tests.helpers import REPO, launch_up
+from tests.helpers import REPO, launch_up, run_up
 
 
 def _config(tmp_path: Path, model: Path, name: str) -> Path:
@@ -29,11 +29,6 @@ def _config(tmp_path: Path, model: Path, name: str) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _up(path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(path), *flags], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
 
 
 def _holder(lock: Path, timeout: float = 60) -> dict:
@@ -78,7 +73,7 @@ def test_a_second_up_or_resume_of_a_live_run_is_refused_naming_it(tmp_path: Path
         assert who["pid"] == first.pid and who["run"] == "live"
         for flags in (("--resume",), ()):
             started = time.monotonic()
-            res = _up(path, *flags)
+            res = run_up(path, *flags)
             assert res.returncode == run_lock.RUN_IS_LIVE, (flags, res.stderr)
             assert f"run 'live' is live: `tandem up {path}` (pid {first.pid}" in res.stderr, res.stderr
             assert time.monotonic() - started < 60

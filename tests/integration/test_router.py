@@ -8,9 +8,6 @@ guards the engines' admin routes and the router's worker admin and data plane.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,13 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.admin_token import ADMIN_TOKEN_ENV
-from services.common.embedded_redis import free_port
-from services.common.sglang_router import add_worker, list_workers, remove_worker, router_command, wait_healthy
+from services.common.sglang_router import add_worker, list_workers, remove_worker
 from services.rollout.engine_client import EngineClient, EngineClientError
-from tests.helpers import ADMIN_TOKEN
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import ADMIN_TOKEN, engines_behind_router
 
 
 @dataclass
@@ -35,52 +28,11 @@ class Cluster:
     model_dir: Path
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=5)
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("router-logs")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: ADMIN_TOKEN}
-    procs: list[subprocess.Popen[bytes]] = []
-    files = [(logs / name).open("wb") for name in ("engine0.log", "engine1.log", "router.log")]
-    try:
-        urls = []
-        for i in range(2):
-            port = free_port()
-            urls.append(f"http://127.0.0.1:{port}")
-            cmd = [sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir),
-                   "--port", str(port), "--engine-id", f"engine-{i}", "--max-batch", "16"]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=files[i],
-                                          stderr=subprocess.STDOUT))
-        rport = free_port()
-        procs.append(subprocess.Popen(router_command(rport, urls, admin_token=ADMIN_TOKEN), cwd=REPO, env=env,
-                                      stdout=files[2], stderr=subprocess.STDOUT))
-        router_url = f"http://127.0.0.1:{rport}"
-
-        async def ready() -> None:
-            await asyncio.gather(*(wait_healthy(u, timeout=180) for u in [*urls, router_url]))  # a loaded machine
-            for _ in range(300):
-                if sorted(await list_workers(router_url, healthy_only=True, token=ADMIN_TOKEN)) == sorted(urls):
-                    return
-                await asyncio.sleep(0.1)
-            raise TimeoutError(f"router never listed both engines; see {logs}")
-
-        asyncio.run(ready())
-        yield Cluster(router_url, urls, tiny_model_dir)
-    finally:
-        _stop(procs)
-        for f in files:
-            f.close()
+    with engines_behind_router(tiny_model_dir, logs, ["engine-0", "engine-1"], "--max-batch", "16") as (url, urls):
+        yield Cluster(url, urls, tiny_model_dir)
 
 
 async def _burst(client: EngineClient, n: int, tag: str) -> list[str | None]:

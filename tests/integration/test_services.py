@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +16,6 @@ import pytest
 from services.buffer.service import BufferService
 from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.bus import Bus, Reject
-from services.common.embedded_redis import free_port
-from services.common.sglang_router import list_workers, router_command, wait_healthy
 from services.common.weights_auth import run_secret, sign
 from services.contracts.codec import FIELD, decode
 from services.contracts.config import TandemConfig, parse_config
@@ -37,10 +32,8 @@ from services.contracts.messages import (
 from services.rollout.service import RolloutService
 from services.trainer.service import TrainerService
 from services.training.backends import Policy, make_policy
-from tests.helpers import ADMIN_TOKEN, emit, make_sample
+from tests.helpers import ADMIN_TOKEN, emit, engines_behind_router, make_sample
 from tests.trainer_commit import commit_weights
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path: Path, model: Path, **agent: object) -> TandemConfig:
@@ -130,34 +123,8 @@ async def test_buffer_handler_reports_the_verdict_and_releases_the_batch(redis_u
 @pytest.fixture(scope="module")
 def router(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """One real embedded engine behind the real SGLang router: (router URL, engine URL)."""
-    logs = tmp_path_factory.mktemp("svc-router")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: ADMIN_TOKEN}
-    eport, rport = free_port(), free_port()
-    engine_url, router_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{rport}"
-    out = (logs / "log").open("wb")
-    procs = [subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir),
-                               "--port", str(eport), "--engine-id", "A-0"], cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT),
-             subprocess.Popen(router_command(rport, [engine_url], admin_token=ADMIN_TOKEN), cwd=REPO, env=env,
-                              stdout=out, stderr=subprocess.STDOUT)]
-
-    async def ready() -> None:
-        await asyncio.gather(wait_healthy(engine_url, timeout=180), wait_healthy(router_url, timeout=180))
-        for _ in range(300):
-            if await list_workers(router_url, healthy_only=True, token=ADMIN_TOKEN) == [engine_url]:
-                return
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"the router never listed the engine; see {logs}")
-
-    try:
-        asyncio.run(ready())
-        yield router_url, engine_url
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=20)
-        out.close()
+    with engines_behind_router(tiny_model_dir, tmp_path_factory.mktemp("svc-router"), ["A-0"]) as (router_url, urls):
+        yield router_url, urls[0]
 
 
 async def test_rollout_handlers_answer_turns_and_load_weights(redis_url: str, tiny_model_dir: Path,

@@ -8,9 +8,6 @@ is acknowledged once, and a bad prompt in a batch is rejected alone while the ot
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,49 +15,19 @@ import pytest
 
 from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.bus import Bus
-from services.common.embedded_redis import free_port
-from services.common.sglang_router import list_workers, router_command, wait_healthy
 from services.contracts.codec import FIELD, decode
 from services.contracts.config import TandemConfig, parse_config
 from services.contracts.messages import DeadLetter, GenerateReply, GenerateRequest, SamplingParams
 from services.rollout.engine_client import EngineClient
 from services.rollout.service import RolloutService
-from tests.helpers import ADMIN_TOKEN
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import ADMIN_TOKEN, engines_behind_router
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real embedded engine behind the real SGLang router: the router's URL."""
-    logs = tmp_path_factory.mktemp("batch-router")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: ADMIN_TOKEN}
-    eport, rport = free_port(), free_port()
-    engine_url, router_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{rport}"
-    out = (logs / "log").open("wb")
-    procs = [subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(tiny_model_dir),
-                               "--port", str(eport), "--engine-id", "A-0"], cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT),
-             subprocess.Popen(router_command(rport, [engine_url], admin_token=ADMIN_TOKEN), cwd=REPO, env=env,
-                              stdout=out, stderr=subprocess.STDOUT)]
-
-    async def ready() -> None:
-        await asyncio.gather(wait_healthy(engine_url, timeout=180), wait_healthy(router_url, timeout=180))
-        for _ in range(300):
-            if await list_workers(router_url, healthy_only=True, token=ADMIN_TOKEN) == [engine_url]:
-                return
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"the router never listed the engine; see {logs}")
-
-    try:
-        asyncio.run(ready())
+    with engines_behind_router(tiny_model_dir, tmp_path_factory.mktemp("batch-router"), ["A-0"]) as (router_url, _):
         yield router_url
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=20)
-        out.close()
 
 
 def config(tmp_path: Path, model: Path) -> TandemConfig:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +18,7 @@ from services.contracts.messages import Sample
 from services.coordinator.learning_signal import SignalWatch, no_signal_streak, signal_status
 from services.launcher.live_view import status_table
 from services.training.signal import learning_signal
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import run_up
 
 
 def sample(group: str, reward: float, malformed: int = 0) -> Sample:
@@ -94,8 +91,7 @@ def test_a_run_whose_replies_never_parse_stops_with_the_message(tmp_path: Path, 
                                "sampling": {"temperature": 1.0, "max_new_tokens": 2}}}}
     path = tmp_path / "nosignal.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(path)], cwd=REPO,
-                          env={**os.environ}, capture_output=True, text=True, timeout=300)
+    proc = run_up(path, env={**os.environ}, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "had no learning signal in 2 training steps in a row" in out, out[-3000:]
