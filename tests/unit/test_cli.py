@@ -34,6 +34,7 @@ def test_every_argument_of_every_command_has_help() -> None:
     assert "``" not in (commands["eval"].description or "") and "Score weights" in commands["eval"].description
 
 
+@pytest.mark.integration  # a child process: the installed command
 def test_version_and_eval_help_from_the_command() -> None:
     out = subprocess.run([sys.executable, "-m", "services.launcher.cli", "--version"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)

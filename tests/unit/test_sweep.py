@@ -193,6 +193,7 @@ def test_a_done_sub_run_with_the_same_config_is_kept(tmp_path: Path) -> None:
     assert not is_done(sub, text)
 
 
+@pytest.mark.integration  # a child process: `tandem sweep`
 def test_the_cli_refuses_a_bad_key_with_exit_2(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "services.launcher.cli", "sweep", str(_base(tmp_path)),
                           "--seeds", "0,1", "--set", "agents.A.algorithm.lrr=1e-3"],

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import pytest
 
 from services.common.bus import Bus
 from services.common.weights_auth import run_secret
@@ -114,6 +115,7 @@ def test_the_rollout_starts_its_engines_bound_to_their_agent() -> None:
     assert cmd[cmd.index("--agent") + 1] == "B"
 
 
+@pytest.mark.integration  # the real sglang-router process
 async def test_the_router_gets_its_keys_from_the_environment_not_the_command_line() -> None:
     """The real sglang-router through our wrapper: no key in its process's command line (readable by every local
     user), and still its worker admin API and data plane refuse a caller without the run's token."""
