@@ -1,4 +1,4 @@
-"""What the dashboard page shows, read in the browser for tests/test_dashboard_browser.py: each chart's title,
+"""What the dashboard page shows, read in the browser for tests/e2e/test_dashboard_browser.py: each chart's title,
 tooltip and axes (tick labels as drawn, their measured widths, the room uPlot gave them, the x scale), and
 full-page screenshots at a given width."""
 
