@@ -5,11 +5,12 @@ unless the rollout's fleet has already killed and restarted it (docs/guides/reco
 Asserted: ``/v1/status`` names the silent engine (``silent_s``; the live view's line, ``silent_engines``) within
 ``NAMED_WITHIN_S``; the fleet restarts it within ``RESTART_WITHIN_S`` (its ``max_failures`` x ``health_timeout``
 plus the engine's start); B trains again within ``RESUMED_WITHIN_S`` of the restart (its failed turns are
-held for the fleet); agent A's steps advance while B's engine is stopped (A's groups launch past B's held ones,
-but B's waiting episodes hold the coordinator's shared episode slots, each B group until its group timeout);
-the run finishes every step of both agents; the audit of the run's AOF finds no sample lost and none trained
-twice. Printed: the seconds to the message, to the restart and to B's next step,
-A's steps during the stop, and the audit.
+held for the fleet); agent A, whose episodes play scripted opponents, trains at least ``A_STEPS_DURING`` steps
+between the stop and B's restart (A's groups launch past B's held ones, and B's episodes stuck on the hung engine
+hold at most B's share of the episode slots: services/coordinator/slots.py); the run finishes every step of
+both agents, every version published once and B's loaded ones within what its one outage may pass over; the
+audit of the run's AOF finds no sample lost and none trained twice. Printed: the seconds to the message, to the
+restart and to B's next step, A's steps and groups during the stop, and the audit.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ STEPS = int(os.environ.get("TANDEM_STALL_STEPS", "60"))  # the run outlasts the 
 NAMED_WITHIN_S = SILENT_NAMED_S + 10.0  # the check interval (1 s) and the rollout's load report (every 2 s)
 RESTART_WITHIN_S = 3 * 20.0 + 1.0 + 20.0  # max_failures x health_timeout + the interval, and the engine's start
 RESUMED_WITHIN_S = 30.0  # from the engine back to B's next step: a group's remaining turns and a train step
+# A's steps from the stop to B's restart (>= 61 s): 41 measured with per-agent slot shares, 5 without them (B's
+# stuck episodes took every slot until their group timed out), load 9-11 on 2 cores
+A_STEPS_DURING = 12
 
 
 def start_time(pid: int) -> str | None:
@@ -182,9 +186,11 @@ def test_b_trains_again_soon_after_its_engine_is_back(run):
 
 
 def test_agent_a_trains_on_while_b_s_engine_is_stopped(run):
+    """A's episodes need no B: B's stuck ones hold only B's share of the slots, so A's groups keep playing."""
     during = run.get("a_steps_at_restart") or run["a_steps_after_stop"]
     assert during is not None and run["a_steps_before"] is not None
-    assert during > run["a_steps_before"] or run["a_steps_before"] >= STEPS, run
+    assert during - run["a_steps_before"] >= min(A_STEPS_DURING, STEPS - run["a_steps_before"]), (
+        run["a_steps_before"], during, run["a_groups_before"], run["a_groups_at_restart"], run["restart_s"])
 
 
 def test_the_run_finishes_every_step_and_the_audit_passes(run):

@@ -1,5 +1,6 @@
-"""The coordinator's episode slots (services/coordinator/slots.py): each agent's share while another agent's
-episodes wait, every slot to an agent alone with work, and a stuck agent's episodes kept to their share.
+"""The coordinator's episode slots (services/coordinator/slots.py): each training agent within its share while
+another agent trains (even while that one waits for its trainer), a self-play episode charged half to each, and
+every slot to an agent once the others have finished.
 
 Real ``EpisodeSlots`` on a real event loop; an episode stuck on a hung engine is one waiting on an event until
 its group's timeout cancels it.
@@ -10,17 +11,18 @@ from __future__ import annotations
 import asyncio
 
 from services.contracts.players import AgentPlayer, Scripted
-from services.coordinator.slots import EpisodeSlots, engine_agents
+from services.coordinator.slots import EpisodeSlots
 
 A_VS_SCRIPT = {"X": AgentPlayer(agent="A"), "O": Scripted(name="minimax")}
 B_VS_SCRIPT = {"X": Scripted(name="random"), "O": AgentPlayer(agent="B")}
 A_VS_B = {"X": AgentPlayer(agent="A"), "O": AgentPlayer(agent="B")}
+A_VS_FROZEN = {"X": AgentPlayer(agent="A"), "O": AgentPlayer(agent="C")}  # C plays but does not train
 
 
 async def episode(slots: EpisodeSlots, roles: dict, until: asyncio.Event, played: list[str]) -> None:
     async with slots.hold(roles):
         await until.wait()
-        played.append(",".join(sorted(engine_agents(roles))))
+        played.append("".join(sorted(slots.charged(roles))))
 
 
 async def settle() -> None:
@@ -28,53 +30,52 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_stuck_agent_keeps_its_share_and_the_other_agent_plays_on() -> None:
-    slots, hung, free, played = EpisodeSlots(8, ["A", "B"]), asyncio.Event(), asyncio.Event(), []
+async def test_a_stuck_agent_holds_its_share_and_the_other_agent_plays_on() -> None:
+    done: set[str] = set()
+    slots, hung, free, played = EpisodeSlots(8, ["A", "B"], done.__contains__), asyncio.Event(), asyncio.Event(), []
     free.set()
     b = [asyncio.create_task(episode(slots, B_VS_SCRIPT, hung, played)) for _ in range(12)]
     await settle()
-    assert (slots.busy, slots.held["B"], len(slots.waiting)) == (8, 8, 4)  # alone with work: every slot
+    # A has nothing to play (its gate waits for its trainer): B still takes only its share, 4 of the 8
+    assert (slots.share, slots.busy, slots.held["B"], len(slots.waiting)) == (4, 4, 4, 8)
     a = [asyncio.create_task(episode(slots, A_VS_SCRIPT, free, played)) for _ in range(8)]
     await settle()
-    assert played == [] and len(slots.waiting) == 12  # B's stuck episodes hold every slot
-    for task in b[:2]:  # their group's timeout: two slots free, and they go to A (B holds 6, over its share 4)
+    assert all(t.done() for t in a) and played == ["A"] * 8, (played, slots.held)  # through A's 4 slots
+    assert (slots.busy, slots.held["A"], len(slots.waiting)) == (4, 0, 8)  # A's slots idle, kept for A
+    for task in b[:2]:  # their group's timeout: B's next two take the slots
         task.cancel()
     await settle()
-    assert all(t.done() for t in a) and played == ["A"] * 8, (played, slots.held)
-    # with A done, the freed slots go to B's waiting episodes: no slot idles while anyone waits
-    assert (slots.busy, slots.held["B"], slots.held["A"], len(slots.waiting)) == (8, 8, 0, 2)
+    assert (slots.busy, slots.held["B"], len(slots.waiting)) == (4, 4, 6)
+    done.add("A")  # A has loaded its last version: B may take every slot, from the next one freed
+    b[2].cancel()
+    await settle()
+    assert (slots.busy, slots.held["B"], len(slots.waiting)) == (8, 8, 1)
     hung.set()
     await asyncio.gather(*b, return_exceptions=True)
-    assert (slots.busy, len(slots.waiting), played.count("B")) == (0, 0, 10)
+    assert (slots.busy, len(slots.waiting), played.count("B")) == (0, 0, 9)
 
 
-async def test_each_agent_gets_back_to_its_share_and_a_two_agent_episode_counts_for_both() -> None:
-    slots, gate, played = EpisodeSlots(4, ["A", "B"]), asyncio.Event(), []
-    held = lambda: (slots.held["A"], slots.held["B"])  # noqa: E731
-    a = [asyncio.create_task(episode(slots, A_VS_SCRIPT, gate, played)) for _ in range(6)]
+async def test_self_play_fills_every_slot_and_mixed_episodes_count_for_both() -> None:
+    slots, gate, played = EpisodeSlots(4, ["A", "B"], lambda _: False), asyncio.Event(), []
+    mixed = [asyncio.create_task(episode(slots, A_VS_B, gate, played)) for _ in range(6)]
     await settle()
-    mixed = asyncio.create_task(episode(slots, A_VS_B, gate, played))
-    b = [asyncio.create_task(episode(slots, B_VS_SCRIPT, gate, played)) for _ in range(3)]
-    await settle()
-    assert (slots.share, held(), len(slots.waiting)) == (2, (4, 0), 6)  # waiting: A, A, A-vs-B, B, B, B
-    a[0].cancel()  # A holds 3, over its share: the slot goes to B's first (A's and the A-vs-B one wait)
-    await settle()
-    assert held() == (3, 1)
-    a[1].cancel()
-    await settle()
-    assert held() == (2, 2)  # B's second
-    a[2].cancel()
-    await settle()
-    assert held() == (2, 2) and not a[4].done() and len(slots.waiting) == 3  # A below its share: A's next (a[4])
-    b[0].cancel()
-    await settle()
-    assert held() == (2, 2) and len(slots.waiting) == 2  # B's third; the A-vs-B episode needs both below
-    a[3].cancel()
-    await settle()
-    assert held() == (2, 2) and len(slots.waiting) == 1  # A's last (a[5]) before it, first come first served
-    a[4].cancel()  # B at its share, nobody else waits: the A-vs-B episode takes the slot, counted for both
-    await settle()
-    assert held() == (2, 3) and slots.busy == 4 and not slots.waiting
+    assert (slots.busy, slots.held["A"], slots.held["B"], len(slots.waiting)) == (4, 2, 2, 2)  # half to each
     gate.set()
-    await asyncio.gather(*a, *b, mixed, return_exceptions=True)
-    assert sorted(played) == ["A", "A,B", "B", "B"] and slots.busy == 0 and not slots.waiting and not +slots.held
+    await asyncio.gather(*mixed)
+    gate.clear()
+    a = [asyncio.create_task(episode(slots, A_VS_FROZEN, gate, played)) for _ in range(3)]
+    await settle()
+    assert (slots.busy, slots.held["A"], len(slots.waiting)) == (2, 2, 1)  # C trains not: A's alone
+    more = [asyncio.create_task(episode(slots, A_VS_B, gate, played)) for _ in range(2)]
+    await settle()
+    assert (slots.busy, len(slots.waiting)) == (2, 3)  # a self-play episode would take A past its share
+    a[0].cancel()
+    await settle()
+    assert (slots.busy, slots.held["A"], len(slots.waiting)) == (2, 2, 2)  # first come: A's third one
+    a[1].cancel()  # A's part of one slot free: both self-play episodes fit in it (half of each is A's)
+    await settle()
+    assert (slots.busy, slots.held["A"], slots.held["B"], len(slots.waiting)) == (3, 2, 1, 0)
+    gate.set()
+    await asyncio.gather(*a, *more, return_exceptions=True)
+    assert played.count("AB") == 8 and played.count("A") == 1
+    assert slots.busy == 0 and not slots.waiting and not any(slots.held.values())

@@ -1,55 +1,64 @@
-"""The coordinator's episode slots (``run.concurrent_episodes``), shared between the agents.
+"""The coordinator's episode slots (``run.concurrent_episodes``), shared between the training agents.
 
-An episode holds one slot while it plays, charged to every agent whose engines play in it (its
-``AgentPlayer`` roles; scripted and in-process players need no engine). Each agent's share is
-``ceil(concurrent_episodes / agents)``. The rule: a free slot goes to the first waiting episode whose
-agents all hold less than their share; when every waiting episode has an agent at its share, to the first
-waiting one, so a slot that no other agent wants is never left idle. An agent alone with work takes
-every slot; while another agent's episodes wait, each agent's episodes get back to their share as
-slots free. So episodes stuck on one agent's hung engine (they wait until their group's timeout) hold
-at most that agent's share once the other agent has work, and the other agent's groups keep playing
-where its episodes do not need the hung agent (docs/architecture.md §4).
+An episode holds one slot while it plays, charged in equal parts to the training agents whose engines play
+in it (its ``AgentPlayer`` roles: a self-play episode half to each; scripted, frozen and in-process pool
+players are charged nothing). Each training agent's share is ``ceil(concurrent_episodes / training
+agents)``. The rule: while another training agent is still training (has not loaded its last version), an
+agent's charge stays within its share; an episode that would take an agent past it waits, even with slots
+free. Waiting episodes take free slots first come, first served among those the rule lets in. Once the
+others have finished, an agent may take every slot.
+
+So slots stay reserved for an agent even while it waits for its own trainer (an on-policy agent between
+steps), and episodes stuck on one agent's hung engine (they wait until their group's timeout) hold at most
+that agent's share: the other agent's groups keep playing, where its episodes do not need the hung agent.
+The price: an agent cannot borrow the other's idle slots to run further ahead (docs/architecture.md §4).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from fractions import Fraction
 
 from services.contracts.players import AgentPlayer, Player
 
 
-def engine_agents(roles: dict[str, Player]) -> frozenset[str]:
-    """The agents whose engines play an episode with ``roles``: the ones its slot is charged to."""
-    return frozenset(p.agent for p in roles.values() if isinstance(p, AgentPlayer))
-
-
 class EpisodeSlots:
-    def __init__(self, total: int, agents: Iterable[str]) -> None:
-        self.total = total
-        self.share = max(1, -(-total // max(1, len(set(agents)))))
+    def __init__(self, total: int, agents: Iterable[str], finished: Callable[[str], bool]) -> None:
+        """``agents``: the training agents; ``finished(agent)``: has it loaded its last version."""
+        self.total, self.agents, self.finished = total, frozenset(agents), finished
+        self.share = max(1, -(-total // max(1, len(self.agents))))
         self.busy = 0
-        self.held: Counter[str] = Counter()  # agent -> slots its episodes hold
+        self.held: dict[str, Fraction] = dict.fromkeys(self.agents, Fraction(0))  # agent -> its charge
         self.waiting: list[tuple[frozenset[str], asyncio.Future[None]]] = []  # first come, first in the list
 
-    def under_share(self, agents: frozenset[str]) -> bool:
-        return all(self.held[a] < self.share for a in agents)
+    def charged(self, roles: dict[str, Player]) -> frozenset[str]:
+        """The training agents whose engines play an episode with ``roles``: the ones its slot is charged to."""
+        return frozenset(p.agent for p in roles.values() if isinstance(p, AgentPlayer) and p.agent in self.agents)
 
-    def take(self, agents: frozenset[str]) -> None:
-        self.busy += 1
-        self.held.update(agents)
+    def capped(self, agent: str) -> bool:
+        """Is ``agent`` held to its share: another training agent is still training."""
+        return any(not self.finished(other) for other in self.agents - {agent})
+
+    def fits(self, agents: frozenset[str]) -> bool:
+        """A free slot, and no capped agent taken past its share by this episode's part of it."""
+        part = Fraction(1, len(agents)) if agents else Fraction(0)
+        return self.busy < self.total and all(self.held[a] + part <= self.share or not self.capped(a)
+                                              for a in agents)
+
+    def take(self, agents: frozenset[str], sign: int = 1) -> None:
+        self.busy += sign
+        for a in agents:
+            self.held[a] += sign * Fraction(1, len(agents))
 
     def release(self, agents: frozenset[str]) -> None:
-        self.busy -= 1
-        self.held.subtract(agents)
+        self.take(agents, -1)
         self.grant()
 
     def grant(self) -> None:
-        """Free slots to waiting episodes: the first under its agents' share, else the first."""
-        while self.busy < self.total and self.waiting:
-            entry = next((w for w in self.waiting if self.under_share(w[0])), self.waiting[0])
+        """Free slots to the waiting episodes the rule lets in, first come first."""
+        while (entry := next((w for w in self.waiting if w[1].done() or self.fits(w[0])), None)) is not None:
             self.waiting.remove(entry)
             agents, granted = entry
             if not granted.done():
@@ -59,8 +68,8 @@ class EpisodeSlots:
     @asynccontextmanager
     async def hold(self, roles: dict[str, Player]) -> AsyncIterator[None]:
         """One slot for an episode with ``roles``, held while the block runs."""
-        agents = engine_agents(roles)
-        if self.busy < self.total and not self.waiting:
+        agents = self.charged(roles)
+        if self.fits(agents) and not any(w[0] == agents for w in self.waiting):
             self.take(agents)
         else:
             entry = (agents, asyncio.get_running_loop().create_future())
