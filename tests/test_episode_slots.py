@@ -1,6 +1,6 @@
 """The coordinator's episode slots (services/coordinator/slots.py): each training agent within its share while
 another agent trains (even while that one waits for its trainer), a self-play episode charged half to each, and
-every slot to an agent once the others have finished.
+every slot to an agent once the others have no group left to play.
 
 Real ``EpisodeSlots`` on a real event loop; an episode stuck on a hung engine is one waiting on an event until
 its group's timeout cancels it.
@@ -31,8 +31,9 @@ async def settle() -> None:
 
 
 async def test_a_stuck_agent_holds_its_share_and_the_other_agent_plays_on() -> None:
-    done: set[str] = set()
-    slots, hung, free, played = EpisodeSlots(8, ["A", "B"], done.__contains__), asyncio.Event(), asyncio.Event(), []
+    done: set[str] = set()  # the agents with no group left to play
+    slots, played = EpisodeSlots(8, ["A", "B"], lambda a: a not in done), []
+    hung, free = asyncio.Event(), asyncio.Event()
     free.set()
     b = [asyncio.create_task(episode(slots, B_VS_SCRIPT, hung, played)) for _ in range(12)]
     await settle()
@@ -46,7 +47,7 @@ async def test_a_stuck_agent_holds_its_share_and_the_other_agent_plays_on() -> N
         task.cancel()
     await settle()
     assert (slots.busy, slots.held["B"], len(slots.waiting)) == (4, 4, 6)
-    done.add("A")  # A has loaded its last version: B may take every slot, from the next one freed
+    done.add("A")  # A has played its last group: B may take every slot, from the next one freed
     b[2].cancel()
     await settle()
     assert (slots.busy, slots.held["B"], len(slots.waiting)) == (8, 8, 1)
@@ -56,7 +57,7 @@ async def test_a_stuck_agent_holds_its_share_and_the_other_agent_plays_on() -> N
 
 
 async def test_self_play_fills_every_slot_and_mixed_episodes_count_for_both() -> None:
-    slots, gate, played = EpisodeSlots(4, ["A", "B"], lambda _: False), asyncio.Event(), []
+    slots, gate, played = EpisodeSlots(4, ["A", "B"], lambda _: True), asyncio.Event(), []
     mixed = [asyncio.create_task(episode(slots, A_VS_B, gate, played)) for _ in range(6)]
     await settle()
     assert (slots.busy, slots.held["A"], slots.held["B"], len(slots.waiting)) == (4, 2, 2, 2)  # half to each

@@ -1,5 +1,5 @@
 """The coordinator's episodes: each one played (at most ``run.concurrent_episodes`` at a time, each training
-agent within its share of them while another trains: slots.py), recorded, found.
+agent within its share of them while another has groups to play: slots.py), recorded, found.
 
 ``play`` runs one episode of an environment with its players (services/play/episode.py), its turns
 routed by the turn router; an env bug or a lost turn abandons that episode alone, counted per purpose
@@ -42,7 +42,8 @@ class EpisodeLog:
     def __init__(self, cfg: TandemConfig, bus: Bus, state: RunState, players: Players, generate: Generate,
                  run_record: RunRecord) -> None:
         self.bus, self.state, self.players, self.generate, self.run_record = bus, state, players, generate, run_record
-        self.slots = EpisodeSlots(cfg.run.concurrent_episodes, state.agents, lambda a: state.agents[a].finished)
+        self.slots = EpisodeSlots(cfg.run.concurrent_episodes, state.agents,  # groups left to launch or in flight
+                                  lambda a: state.agents[a].wants_groups() or state.agents[a].in_flight_groups > 0)
         self.recent: dict[str, dict[str, Any]] = {}  # recent transcripts (the API's cache)
         self.archive = TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.k_train_play, self.k_failed = bus.streams.key("coord:train_play"), bus.streams.key("coord:episodes_failed")

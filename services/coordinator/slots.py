@@ -1,12 +1,12 @@
 """The coordinator's episode slots (``run.concurrent_episodes``), shared between the training agents.
 
-An episode holds one slot while it plays, charged in equal parts to the training agents whose engines play
-in it (its ``AgentPlayer`` roles: a self-play episode half to each; scripted, frozen and in-process pool
-players are charged nothing). Each training agent's share is ``ceil(concurrent_episodes / training
-agents)``. The rule: while another training agent is still training (has not loaded its last version), an
-agent's charge stays within its share; an episode that would take an agent past it waits, even with slots
-free. Waiting episodes take free slots first come, first served among those the rule lets in. Once the
-others have finished, an agent may take every slot.
+An episode holds one slot while it plays, charged in equal parts to the training agents whose engines play in
+it (its ``AgentPlayer`` roles: a self-play episode half to each; scripted, frozen and in-process pool players
+are charged nothing). Each training agent's share is ``ceil(concurrent_episodes / training agents)``. The
+rule: while another training agent still has groups to play (to launch, or in flight), an agent's charge stays
+within its share; an episode that would take an agent past it waits, even with slots free. Waiting episodes
+take free slots first come, first served among those the rule lets in. Once the others have no groups left to
+play, an agent may take every slot.
 
 So slots stay reserved for an agent even while it waits for its own trainer (an on-policy agent between
 steps), and episodes stuck on one agent's hung engine (they wait until their group's timeout) hold at most
@@ -25,9 +25,9 @@ from services.contracts.players import AgentPlayer, Player
 
 
 class EpisodeSlots:
-    def __init__(self, total: int, agents: Iterable[str], finished: Callable[[str], bool]) -> None:
-        """``agents``: the training agents; ``finished(agent)``: has it loaded its last version."""
-        self.total, self.agents, self.finished = total, frozenset(agents), finished
+    def __init__(self, total: int, agents: Iterable[str], playing: Callable[[str], bool]) -> None:
+        """``agents``: the training agents; ``playing(agent)``: has it groups left to play."""
+        self.total, self.agents, self.playing = total, frozenset(agents), playing
         self.share = max(1, -(-total // max(1, len(self.agents))))
         self.busy = 0
         self.held: dict[str, Fraction] = dict.fromkeys(self.agents, Fraction(0))  # agent -> its charge
@@ -38,8 +38,8 @@ class EpisodeSlots:
         return frozenset(p.agent for p in roles.values() if isinstance(p, AgentPlayer) and p.agent in self.agents)
 
     def capped(self, agent: str) -> bool:
-        """Is ``agent`` held to its share: another training agent is still training."""
-        return any(not self.finished(other) for other in self.agents - {agent})
+        """Is ``agent`` held to its share: another training agent has groups left to play."""
+        return any(self.playing(other) for other in self.agents - {agent})
 
     def fits(self, agents: frozenset[str]) -> bool:
         """A free slot, and no capped agent taken past its share by this episode's part of it."""
