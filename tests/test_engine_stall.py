@@ -41,8 +41,8 @@ STEPS = int(os.environ.get("TANDEM_STALL_STEPS", "60"))  # the run outlasts the 
 NAMED_WITHIN_S = SILENT_NAMED_S + 10.0  # the check interval (1 s) and the rollout's load report (every 2 s)
 RESTART_WITHIN_S = 3 * 20.0 + 1.0 + 20.0  # max_failures x health_timeout + the interval, and the engine's start
 RESUMED_WITHIN_S = 30.0  # from the engine back to B's next step: a group's remaining turns and a train step
-# A's steps from the stop to B's restart (>= 61 s): 41 measured with per-agent slot shares, 5 without them (B's
-# stuck episodes took every slot until their group timed out), load 9-11 on 2 cores
+# A's steps from the stop to B's restart (>= 61 s): 36-41 in three runs with per-agent slot shares (load 9-22 on
+# 2 cores), 4-5 in two without them (load 11-15: B's stuck episodes took every slot until their group timed out)
 A_STEPS_DURING = 12
 
 
