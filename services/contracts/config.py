@@ -151,8 +151,10 @@ class RunConfig(Strict):
                                   "tandem:<name>:*")
     seed: int = Field(0, description="the run's seed: episode starts, scripted players and pool draws")
     total_steps: int = Field(10, ge=1, description="training steps (weight versions) per agent")
-    concurrent_episodes: int = Field(16, ge=1,
-                                     description="episodes the coordinator plays at once (across groups and agents)")
+    concurrent_episodes: int = Field(16, ge=1, description=(
+        "episodes the coordinator plays at once (across groups and agents); while another training agent has "
+        "groups to play, each keeps within its share, ceil(concurrent_episodes / training agents) "
+        "(docs/architecture.md §4)"))
     checkpoint_root: str = Field("checkpoints",
                                  description="where each agent's weight versions and trainer states go: "
                                              "<checkpoint_root>/<run>/<agent>/")

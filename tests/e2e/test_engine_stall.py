@@ -5,11 +5,12 @@ unless the rollout's fleet has already killed and restarted it (docs/guides/reco
 Asserted: ``/v1/status`` names the silent engine (``silent_s``; the live view's line, ``silent_engines``) within
 ``NAMED_WITHIN_S``; the fleet restarts it within ``RESTART_WITHIN_S`` (its ``max_failures`` x ``health_timeout``
 plus the engine's start); B trains again within ``RESUMED_WITHIN_S`` of the restart (its failed turns are
-held for the fleet); agent A's steps advance while B's engine is stopped (A's groups launch past B's held ones,
-but B's waiting episodes hold the coordinator's shared episode slots, each B group until its group timeout);
-the run finishes every step of both agents; the audit of the run's AOF finds no sample lost and none trained
-twice. Printed: the seconds to the message, to the restart and to B's next step,
-A's steps during the stop, and the audit.
+held for the fleet); agent A, whose episodes play scripted opponents, trains at least ``A_STEPS_DURING`` steps
+between the stop and B's restart (A's groups launch past B's held ones, and B's episodes stuck on the hung engine
+hold at most B's share of the episode slots: services/coordinator/slots.py); the run finishes every step of
+both agents, every version published once and B's loaded ones within what its one outage may pass over; the
+audit of the run's AOF finds no sample lost and none trained twice. Printed: the seconds to the message, to the
+restart and to B's next step, A's steps and groups during the stop, and the audit.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ STEPS = int(os.environ.get("TANDEM_STALL_STEPS", "60"))  # the run outlasts the 
 NAMED_WITHIN_S = SILENT_NAMED_S + 10.0  # the check interval (1 s) and the rollout's load report (every 2 s)
 RESTART_WITHIN_S = 3 * 20.0 + 1.0 + 20.0  # max_failures x health_timeout + the interval, and the engine's start
 RESUMED_WITHIN_S = 30.0  # from the engine back to B's next step: a group's remaining turns and a train step
+# A's steps from the stop to B's restart (>= 61 s): 36-41 in three runs with per-agent slot shares (load 9-22 on
+# 2 cores), 4-5 in two without them (load 11-15: B's stuck episodes took every slot until their group timed out)
+A_STEPS_DURING = 12
 
 
 def start_time(pid: int) -> str | None:
@@ -52,6 +56,12 @@ def start_time(pid: int) -> str | None:
 
 def b_engines(status: dict | None) -> list[dict]:
     return (((status or {}).get("agents") or {}).get("B", {}).get("rollout") or {}).get("engines") or []
+
+
+def a_groups(status: dict | None) -> int | None:
+    """A's groups played to the end (kept or dropped by its buffer), from the status; None without one."""
+    groups = (((status or {}).get("agents") or {}).get("A") or {}).get("groups")
+    return None if groups is None else int(groups["kept"]) + int(groups["dropped"])
 
 
 def status_of(api: str) -> dict | None:
@@ -68,7 +78,8 @@ def stall(proc, obs: fi.Observer, api: str) -> dict:
     assert pid is not None, fi.descendants(proc.pid)
     born = start_time(pid)
     got: dict = {"named_s": None, "named_line": None, "restart_s": None, "a_steps_before": obs.steps(("A",)),
-                 "b_steps_before": obs.steps(("B",)), "status_while_silent": None, "b_step_s": None}
+                 "b_steps_before": obs.steps(("B",)), "status_while_silent": None, "b_step_s": None,
+                 "a_groups_before": a_groups(status_of(api)), "a_groups_at_restart": None}
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
@@ -89,7 +100,7 @@ def stall(proc, obs: fi.Observer, api: str) -> dict:
             back = [e for e in b_engines(status) if int(e.get("restarts") or 0) >= 1 and e.get("healthy")]
             if got["restart_s"] is None and back:
                 got["restart_s"], got["a_steps_at_restart"] = now, obs.steps(("A",))
-                got["b_steps_at_restart"] = obs.steps(("B",))
+                got["b_steps_at_restart"], got["a_groups_at_restart"] = obs.steps(("B",)), a_groups(status)
             time.sleep(0.5)
     finally:
         if "fleet_killed_it" not in got:
@@ -147,7 +158,8 @@ def run(tmp_path_factory, tiny_model_dir):
           f"{observed.get('a_steps_at_restart')} (at the restart) -> {observed['a_steps_after_stop']}, "
           f"B steps {observed['b_steps_before']} -> {observed.get('b_steps_at_restart')} -> "
           f"{observed['b_steps_after_stop']}, B's next step after "
-          f"{observed['b_step_s']}s")
+          f"{observed['b_step_s']}s; A's groups played {observed['a_groups_before']} -> "
+          f"{observed['a_groups_at_restart']} (at the restart)")
     for a, state in observed["states"].items():
         print(f"  audit {a}: {aof_audit.account(state).counts()} {dict(aof_audit.reasons(state))}; groups "
               f"abandoned unplayed: {dict(aof_audit.ledger_reasons(state))}")
@@ -174,9 +186,11 @@ def test_b_trains_again_soon_after_its_engine_is_back(run):
 
 
 def test_agent_a_trains_on_while_b_s_engine_is_stopped(run):
+    """A's episodes need no B: B's stuck ones hold only B's share of the slots, so A's groups keep playing."""
     during = run.get("a_steps_at_restart") or run["a_steps_after_stop"]
     assert during is not None and run["a_steps_before"] is not None
-    assert during > run["a_steps_before"] or run["a_steps_before"] >= STEPS, run
+    assert during - run["a_steps_before"] >= min(A_STEPS_DURING, STEPS - run["a_steps_before"]), (
+        run["a_steps_before"], during, run["a_groups_before"], run["a_groups_at_restart"], run["restart_s"])
 
 
 def test_the_run_finishes_every_step_and_the_audit_passes(run):
@@ -184,9 +198,19 @@ def test_the_run_finishes_every_step_and_the_audit_passes(run):
     lost = failed_episodes(summary)
     assert run["returncode"] == (LOST_EPISODES if lost else 0), (lost, run["log"][-4000:])
     assert summary["phase"] == "done"
+    every = list(range(1, STEPS + 1))
     for a in fi.AGENTS:
         s = summary["agents"][a]
-        assert (s["steps"], s["weight_versions"], s["last_weight_version"]) == (STEPS,) * 3, s
+        assert (s["steps"], s["last_weight_version"]) == (STEPS,) * 2, s
+        assert s["published_versions"] == every, s  # the trainer committed every version once
+        loaded = s["loaded_versions"]
+        assert len(loaded) == s["weight_versions"] and set(loaded) <= set(every) and STEPS in loaded, s
+        # A version published while B's engine is down is not loaded until the fleet has an engine again; one
+        # published after it meanwhile is loaded first, and the older one is then refused (the rollout never
+        # rolls back: tests/e2e/test_fault_injection.py). B's gate lets its trainer run at most max_staleness
+        # versions past the loaded one, so its one outage passes over at most that many; A's engine never stops.
+        missing = sorted(set(every) - set(loaded))
+        assert len(missing) <= (s["max_staleness"] if a == "B" else 0), (a, missing)
     for state in run["states"].values():
         assert aof_audit.problems(state, STEPS) == []
         counts = aof_audit.account(state).counts()
