@@ -95,9 +95,9 @@ STATUS: dict[str, tuple[str, str]] = {
                                            "active = a heartbeat in the last 2 minutes"),
     "RestClient.set_checkpoint_ttl_from_tinker_path": (SERVED, "an expired checkpoint is deleted"),
     "RestClient.unpublish_checkpoint_from_tinker_path": (SERVED, "clears the `public` flag"),
-    "RestClient.whoami": (REFUSED, "the SDK reads it from a JWT of Tinker's auth exchange; with API keys "
-                                   "(`pjwt_auth_enabled` off) the SDK raises its own error at once, sending "
-                                   "nothing (no accounts here)"),
+    "RestClient.whoami": (SERVED, "the SDK reads the claims of the JWT it trades its key for "
+                                  "(`/api/v1/auth/token`, `jwt_auth`): `tml:user:local` on an open server, one "
+                                  "principal per API key otherwise (tests/test_tinker_auth.py)"),
 }
 
 
