@@ -1,7 +1,8 @@
 """``tandem up CONFIG``: embedded Redis and every service as child processes.
 
 Order: Redis (embedded unless the config names one; its AOF under ``runs/<run>/redis``) → per
-agent the rollout (which starts the agent's real SGLang router and engines itself) → the
+agent the rollout (which starts the agent's real SGLang router and engines itself; one that shares another
+agent's engines drives that agent's router instead: ``shared_fleet_env`` fixes its port) → the
 coordinator → per trained agent the buffer and trainer (a new run's once its first turn is played:
 services/launcher/deferred.py). It prints the dashboard's address first, then shows the live view
 (services/launcher/live_view.py) from the coordinator's ``/v1/status`` (validated as a ``RunStatus``,
@@ -30,7 +31,7 @@ import redis as redis_lib
 from rich.console import Console
 from rich.live import Live
 
-from services.common.admin_token import bearer
+from services.common.admin_token import ADMIN_TOKEN_ENV, bearer, new_token, token_from_env
 from services.common.embedded_redis import EmbeddedRedis, free_port
 from services.common.weights_auth import SECRET_ENV, run_dir_secret
 from services.contracts.config import AgentConfig, TandemConfig
@@ -84,6 +85,20 @@ def start_services(cfg: TandemConfig, config_path: str, group: ProcessGroup, api
     for agent in trained:
         start(f"trainer.{agent}", trainer_command(cfg.agents[agent], base[agent]))
     return f"http://{cfg.api.host}:{api_port}"
+
+
+def shared_fleet_env(cfg: TandemConfig) -> dict[str, str]:
+    """For agents that share another agent's engines (``share_engines_with``): the owner's router on a fixed
+    port (a free one unless configured; every service reads it through the override) for the sharing rollouts
+    to drive, and one admin token for that fleet and every rollout that drives it."""
+    owners = sorted({a.share_engines_with for a in cfg.agents.values() if a.share_engines_with})
+    if not owners:
+        return {}
+    env = {ADMIN_TOKEN_ENV: token_from_env() or new_token()}
+    for owner in owners:
+        if not cfg.agents[owner].router_port:
+            env[f"TANDEM__agents__{owner}__router_port"] = str(free_port())
+    return env
 
 
 def clear_run_keys(redis_url: str, run: str) -> int:
@@ -180,7 +195,7 @@ def up(cfg: TandemConfig, config_path: str, console: Console | None = None, resu
                   soft_wrap=True, highlight=False)
     echo = LogEcho(console, verbose)
     redis = None
-    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir)}  # weights signing: by environment, not Redis
+    env: dict[str, str] = {SECRET_ENV: run_dir_secret(run_dir), **shared_fleet_env(cfg)}  # by environment
     redis_url = cfg.redis_url
     if not cfg.redis_url:
         redis = EmbeddedRedis(data_dir=run_dir / "redis", appendfsync=cfg.run.redis_appendfsync,

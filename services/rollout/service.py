@@ -1,9 +1,16 @@
 """The rollout service: one handler per stream (``on_turn``, ``on_weights``) and the load report.
 
-Without a router URL the rollout owns its engines: it starts the real SGLang router and the
-agent's ``num_engines`` engines as child processes, registers them at run time, health-checks and
-restarts them (``fleet.EngineFleet``). With a router URL it drives an externally managed router and
-loads weights on the workers that router lists.
+The rollout reaches its engines in one of two ways, behind one set of handlers. Owning: without a router
+URL it starts the real SGLang router and the agent's ``num_engines`` engines as child processes, registers
+them at run time, health-checks and restarts them (``fleet.EngineFleet``), and so also for the agents that
+share its engines (``share_engines_with``: the fleet restores their adapters on a restarted engine).
+External: with a router URL (``--router``), or for an agent whose config says ``share_engines_with: A``
+(then A's router, on ``agents.A.router_port``), it drives a router someone else manages and loads its
+weights on the workers that router lists. The shared-base topology is what uses the external mode in a
+``tandem up`` run: two agents' turns on one fleet, one base, each agent's own adapters; each rollout keeps
+its own version gating, staleness, signatures and loaded-version bookkeeping, and a sharing rollout records
+the adapters it needs (``adapters.publish_kept``) for the owner's fleet to restore, and holds a failing
+turn while that fleet recovers an engine, as an owning rollout does.
 
 ``on_turn``: a generation request from ``turns:{agent}`` goes to the router (``/generate`` with
 input_ids, sampling_params, return_logprob; the turns of one bus read that share sampling parameters go
@@ -38,7 +45,7 @@ from services.common.bus import Bus, Reject, RetryLater
 from services.common.sglang_router import list_workers
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
 from services.common.weights_auth import WeightsProof, refusal, run_secret
-from services.contracts.config import TandemConfig
+from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.messages import (
     EngineStatus,
     GenerateReply,
@@ -47,7 +54,8 @@ from services.contracts.messages import (
     WeightsLoaded,
     WeightsUpdate,
 )
-from services.rollout.adapters import AdapterSync
+from services.contracts.sharing import fleet_owner, sharers
+from services.rollout.adapters import AdapterSync, publish_kept, read_kept
 from services.rollout.batcher import TurnBatcher
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
 from services.rollout.fleet import EngineFleet
@@ -68,6 +76,7 @@ class RolloutService:
         self.acfg = cfg.agents[agent]
         self.agent, self.bus, self.router_url, self.fleet = agent, bus, router_url, fleet
         self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
+        self.num_engines = cfg.agents[fleet_owner(cfg.agents, agent)].num_engines  # of the fleet its turns use
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * self.engines())
         self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
@@ -81,12 +90,15 @@ class RolloutService:
     async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None,
                     early: Spawned | None = None) -> RolloutService:
         """With no ``router_url``, start the agent's router and engines (or adopt those ``early`` started) and
-        put them on the loaded version."""
+        put them on the loaded version; an agent sharing another's engines drives that agent's router."""
+        router_url = router_url or shared_router_url(cfg, agent)
         if router_url is not None:
             service = cls(cfg, agent, bus, router_url)
             await service.resume_serving()
             return service
-        fleet = EngineFleet(agent, cfg.agents[agent], early=early)
+        others = sharers(cfg.agents, agent)
+        fleet = EngineFleet(agent, cfg.agents[agent], early=early, shared_with=tuple(others),
+                            shared=(lambda: read_kept(bus.redis, bus.streams, others)) if others else None)
         try:
             await fleet.start()
             await resume_weights(bus, agent, fleet)
@@ -106,12 +118,17 @@ class RolloutService:
 
     def engines(self) -> int:
         """How many engines take turns now: the fleet's healthy ones, or the configured number."""
-        return self.fleet.healthy() if self.fleet is not None else self.acfg.num_engines
+        return self.fleet.healthy() if self.fleet is not None else self.num_engines
 
     @property
     def concurrency(self) -> int:
         """How many turns the turns stream's consumer handles at once."""
-        return self.acfg.num_engines * self.acfg.max_inflight_per_engine
+        return self.num_engines * self.acfg.max_inflight_per_engine
+
+    def recovering(self) -> bool:
+        """Whether a failing turn is held for the engines to come back: the fleet is recovering an engine, or
+        (sharing another agent's fleet) its owner's rollout supervises and restarts what failed."""
+        return self.fleet.recovering() if self.fleet is not None else self.acfg.share_engines_with is not None
 
     def background(self, stop: asyncio.Event) -> list[Awaitable[None]]:
         """Loops that run beside the handlers: the load report, and the fleet's supervision when it owns one."""
@@ -166,8 +183,7 @@ class RolloutService:
                 if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
                     await self.answer_error(req, str(exc))
                     raise Reject(str(exc)) from exc
-                held = self.fleet is not None and self.fleet.recovering() and \
-                    time.monotonic() - started < HOLD_FOR_FLEET_S
+                held = self.recovering() and time.monotonic() - started < HOLD_FOR_FLEET_S
                 if attempt + 1 >= RETRIES and not held:
                     break
                 if attempt < RETRIES or attempt % 10 == 0:
@@ -203,11 +219,7 @@ class RolloutService:
         if self.fleet is not None:
             engines = await self.fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
         else:
-            engines = await list_workers(self.router_url, token=self.token)
-            await asyncio.gather(*(self.load_on(url, w) for url in engines))
-            if is_adapter_dir(w.path):
-                old = self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
-                await asyncio.gather(*(self.sync.unload(url, self.held.setdefault(url, set()), old) for url in engines))
+            engines = await self.load_external(w)
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.weight_version} on")
         async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -217,6 +229,22 @@ class RolloutService:
         await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent,
                                                        weight_version=w.weight_version, engines=engines, path=w.path))
         log.info("version %d loaded on %d engine(s)", w.weight_version, len(engines))
+
+    async def load_external(self, w: WeightsUpdate) -> list[str]:
+        """Load an update on the workers the external router lists; an adapter version is then served, and a
+        sharing agent's record of the adapters the engines must hold covers it from before the loads on."""
+        adapter, proof = is_adapter_dir(w.path), WeightsProof.of(w)
+        if adapter and self.acfg.share_engines_with:  # an engine restarted meanwhile gets it from the owner
+            await publish_kept(self.bus.redis, self.bus.streams, self.agent,
+                               self.sync.with_next(w.path, w.weight_version, proof))
+        engines = await list_workers(self.router_url, token=self.token)
+        await asyncio.gather(*(self.load_on(url, w) for url in engines))
+        if adapter and engines:
+            old = self.sync.record(w.path, w.weight_version, proof)
+            await asyncio.gather(*(self.sync.unload(url, self.held.setdefault(url, set()), old) for url in engines))
+            if self.acfg.share_engines_with:
+                await publish_kept(self.bus.redis, self.bus.streams, self.agent, self.sync.kept)
+        return engines
 
     async def load_on(self, url: str, w: WeightsUpdate) -> None:
         """Load an update on one worker of an external router: its adapter, or its full weights."""
@@ -234,6 +262,8 @@ class RolloutService:
         w = WeightsUpdate.model_validate_json(raw)
         if is_adapter_dir(w.path) and await refusal(self.bus.redis, self.bus.streams, run_secret(), w) is None:
             self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
+            if self.acfg.share_engines_with:
+                await publish_kept(self.bus.redis, self.bus.streams, self.agent, self.sync.kept)
             log.info("serving adapter version %d on the external router's workers", w.weight_version)
 
     # --- the load report --------------------------------------------------------------
@@ -277,3 +307,16 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
         return
     await fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
     log.info("resumed on version %d", w.weight_version)
+
+
+def shared_router_url(cfg: TandemConfig, agent: str) -> str | None:
+    """The router of the fleet an agent sharing another's engines drives (that agent's ``router_port`` on this
+    host: ``tandem up`` fixes it), or None for an agent that owns its engines."""
+    owner = fleet_owner(cfg.agents, agent)
+    if owner == agent:
+        return None
+    port = cfg.agents[owner].router_port
+    if not port:
+        raise ConfigError(f"agents.{agent}.share_engines_with: agents.{owner}.router_port is 0, so {agent}'s rollout "
+                          f"cannot find {owner}'s router: give it a port, or start the rollout with --router URL")
+    return f"http://127.0.0.1:{port}"
