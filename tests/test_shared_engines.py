@@ -47,17 +47,16 @@ def shared_config(model: str, **b: Any) -> dict[str, Any]:
     ({"lora": None}, {}, "must train with lora"),
     ({"engine": "sglang"}, {}, "engine 'sglang' differs"),
 ])
-def test_a_bad_share_engines_with_is_refused_naming_the_field(tiny_model_dir: Path, b: dict, a: dict,
-                                                              why: str) -> None:
-    data = shared_config(str(tiny_model_dir), **b)
+def test_a_bad_share_engines_with_is_refused_naming_the_field(b: dict, a: dict, why: str) -> None:
+    data = shared_config("/models/tiny", **b)
     data["agents"]["A"].update(a)
     with pytest.raises(ConfigError, match="share_engines_with") as err:
         parse_config(data)
     assert why in str(err.value)
 
 
-def test_a_good_share_engines_with_loads(tiny_model_dir: Path) -> None:
-    cfg = parse_config(shared_config(str(tiny_model_dir)))
+def test_a_good_share_engines_with_loads() -> None:
+    cfg = parse_config(shared_config("/models/tiny"))
     assert cfg.agents["B"].share_engines_with == "A" and cfg.agents["A"].share_engines_with is None
 
 
