@@ -332,6 +332,13 @@ class EngineFleet:
     def healthy(self) -> int:
         return sum(1 for e in self.engines if e.registered)
 
+    async def resume(self, path: str, version: int, proof: WeightsProof | None) -> None:
+        """A restarted rollout's fresh engines: put them on the version the agent had loaded."""
+        await self.load_weights(path, version, proof=proof)
+
+    async def status(self) -> list[dict[str, Any]]:
+        return self.snapshot()
+
     def recovering(self) -> bool:
         """Whether an engine is out of the router (restarting), failing its health checks, or has passed none
         for ``SUSPECT_S`` (a check that hangs): generation that fails meanwhile is held for it (the rollout)."""

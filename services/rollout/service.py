@@ -1,16 +1,15 @@
 """The rollout service: one handler per stream (``on_turn``, ``on_weights``) and the load report.
 
-The rollout reaches its engines in one of two ways, behind one set of handlers. Owning: without a router
-URL it starts the real SGLang router and the agent's ``num_engines`` engines as child processes, registers
-them at run time, health-checks and restarts them (``fleet.EngineFleet``), and so also for the agents that
-share its engines (``share_engines_with``: the fleet restores their adapters on a restarted engine).
-External: with a router URL (``--router``), or for an agent whose config says ``share_engines_with: A``
-(then A's router, on ``agents.A.router_port``), it drives a router someone else manages and loads its
-weights on the workers that router lists. The shared-base topology is what uses the external mode in a
-``tandem up`` run: two agents' turns on one fleet, one base, each agent's own adapters; each rollout keeps
-its own version gating, staleness, signatures and loaded-version bookkeeping, and a sharing rollout records
-the adapters it needs (``adapters.publish_kept``) for the owner's fleet to restore, and holds a failing
-turn while that fleet recovers an engine, as an owning rollout does.
+The rollout reaches its engines through one interface (``external.Engines``), managed in one of two ways.
+Owning (``fleet.EngineFleet``): without a router URL it starts the real SGLang router and the agent's
+``num_engines`` engines as child processes, registers them at run time, health-checks and restarts them,
+and restores the adapters of the agents that share them (``share_engines_with``) on a restarted engine.
+External (``external.ExternalRouter``): with a router URL (``--router``), or for an agent whose config
+says ``share_engines_with: A`` (then A's router, on ``agents.A.router_port``), it drives a router someone
+else manages and loads its weights on the workers that router lists. The external mode stays because the
+shared-base topology uses it in every ``tandem up`` run that shares: two agents' turns on one fleet, one
+base, each agent's own adapters, and each rollout keeps its own version gating, staleness, signatures and
+loaded-version bookkeeping.
 
 ``on_turn``: a generation request from ``turns:{agent}`` goes to the router (``/generate`` with
 input_ids, sampling_params, return_logprob; the turns of one bus read that share sampling parameters go
@@ -37,12 +36,8 @@ import logging
 import time
 from collections.abc import Awaitable
 
-import httpx
-
-from services.common.adapter_dir import is_adapter_dir
 from services.common.admin_token import token_from_env
 from services.common.bus import Bus, Reject, RetryLater
-from services.common.sglang_router import list_workers
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
 from services.common.weights_auth import WeightsProof, refusal, run_secret
 from services.contracts.config import ConfigError, TandemConfig
@@ -55,9 +50,10 @@ from services.contracts.messages import (
     WeightsUpdate,
 )
 from services.contracts.sharing import fleet_owner, sharers
-from services.rollout.adapters import AdapterSync, publish_kept, read_kept
+from services.rollout.adapters import publish_kept, read_kept
 from services.rollout.batcher import TurnBatcher
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
+from services.rollout.external import Engines, ExternalRouter
 from services.rollout.fleet import EngineFleet
 from services.rollout.limiter import InflightLimiter
 from services.rollout.spawn import Spawned
@@ -73,18 +69,21 @@ class RolloutService:
 
     def __init__(self, cfg: TandemConfig, agent: str, bus: Bus, router_url: str,
                  fleet: EngineFleet | None = None) -> None:
+        """``fleet``: the engines this rollout owns; without one it drives the router at ``router_url``."""
         self.acfg = cfg.agents[agent]
         self.agent, self.bus, self.router_url, self.fleet = agent, bus, router_url, fleet
-        self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
         self.num_engines = cfg.agents[fleet_owner(cfg.agents, agent)].num_engines  # of the fleet its turns use
+        sharing = self.acfg.share_engines_with is not None
+        self.pool: Engines = fleet if fleet is not None else ExternalRouter(
+            agent, router_url, token_from_env(), self.num_engines, shared=sharing,
+            record=(lambda kept: publish_kept(bus.redis, bus.streams, agent, kept)) if sharing else None)
+        self.token = self.pool.token  # the run's admin token
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * self.engines())
         self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
                                    max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
-        # the adapters the engines hold (the fleet's, or for an external router's workers: ``held`` per url)
-        self.sync = fleet.sync if fleet is not None else AdapterSync(agent, self.client)
-        self.held: dict[str, set[str]] = {}
+        self.sync = self.pool.sync  # the adapter versions the engines hold, and the one turns go under
 
     @classmethod
     async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None,
@@ -94,7 +93,7 @@ class RolloutService:
         router_url = router_url or shared_router_url(cfg, agent)
         if router_url is not None:
             service = cls(cfg, agent, bus, router_url)
-            await service.resume_serving()
+            await resume_weights(bus, agent, service.pool)
             return service
         others = sharers(cfg.agents, agent)
         fleet = EngineFleet(agent, cfg.agents[agent], early=early, shared_with=tuple(others),
@@ -109,7 +108,7 @@ class RolloutService:
 
     @property
     def client(self) -> EngineClient:
-        """The router's client (the batcher's: turns and weight loads share one)."""
+        """The router's client for turns (the batcher's)."""
         return self.batcher.client
 
     @client.setter
@@ -118,7 +117,7 @@ class RolloutService:
 
     def engines(self) -> int:
         """How many engines take turns now: the fleet's healthy ones, or the configured number."""
-        return self.fleet.healthy() if self.fleet is not None else self.num_engines
+        return self.pool.healthy()
 
     @property
     def concurrency(self) -> int:
@@ -128,17 +127,16 @@ class RolloutService:
     def recovering(self) -> bool:
         """Whether a failing turn is held for the engines to come back: the fleet is recovering an engine, or
         (sharing another agent's fleet) its owner's rollout supervises and restarts what failed."""
-        return self.fleet.recovering() if self.fleet is not None else self.acfg.share_engines_with is not None
+        return self.pool.recovering()
 
     def background(self, stop: asyncio.Event) -> list[Awaitable[None]]:
-        """Loops that run beside the handlers: the load report, and the fleet's supervision when it owns one."""
-        return [self.report_load(stop), *([self.fleet.supervise(stop)] if self.fleet else [])]
+        """Loops that run beside the handlers: the load report, and the engines' supervision."""
+        return [self.report_load(stop), self.pool.supervise(stop)]
 
     async def close(self) -> None:
         await self.batcher.aclose()
         await self.client.aclose()
-        if self.fleet is not None:
-            await self.fleet.close()
+        await self.pool.close()
 
     # --- handlers ---------------------------------------------------------------------
     async def on_turn(self, req: GenerateRequest) -> None:
@@ -216,10 +214,7 @@ class RolloutService:
         why = await refusal(self.bus.redis, s, run_secret(), w)
         if why is not None:
             raise Reject(f"weights version {w.weight_version} at {w.path} refused: {why}")
-        if self.fleet is not None:
-            engines = await self.fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
-        else:
-            engines = await self.load_external(w)
+        engines = await self.pool.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.weight_version} on")
         async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -229,42 +224,6 @@ class RolloutService:
         await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent,
                                                        weight_version=w.weight_version, engines=engines, path=w.path))
         log.info("version %d loaded on %d engine(s)", w.weight_version, len(engines))
-
-    async def load_external(self, w: WeightsUpdate) -> list[str]:
-        """Load an update on the workers the external router lists; an adapter version is then served, and a
-        sharing agent's record of the adapters the engines must hold covers it from before the loads on."""
-        adapter, proof = is_adapter_dir(w.path), WeightsProof.of(w)
-        if adapter and self.acfg.share_engines_with:  # an engine restarted meanwhile gets it from the owner
-            await publish_kept(self.bus.redis, self.bus.streams, self.agent,
-                               self.sync.with_next(w.path, w.weight_version, proof))
-        engines = await list_workers(self.router_url, token=self.token)
-        await asyncio.gather(*(self.load_on(url, w) for url in engines))
-        if adapter and engines:
-            old = self.sync.record(w.path, w.weight_version, proof)
-            await asyncio.gather(*(self.sync.unload(url, self.held.setdefault(url, set()), old) for url in engines))
-            if self.acfg.share_engines_with:
-                await publish_kept(self.bus.redis, self.bus.streams, self.agent, self.sync.kept)
-        return engines
-
-    async def load_on(self, url: str, w: WeightsUpdate) -> None:
-        """Load an update on one worker of an external router: its adapter, or its full weights."""
-        if is_adapter_dir(w.path):
-            await self.sync.load(url, self.held.setdefault(url, set()), w.path, w.weight_version, WeightsProof.of(w))
-        else:
-            await self.client.update_weights(url, w.path, w.weight_version, WeightsProof.of(w))
-
-    async def resume_serving(self) -> None:
-        """With an external router, whose workers outlive this rollout: go on naming the adapter they were
-        given last (the loaded weights this agent recorded), when it is an authentic adapter version."""
-        raw = await self.bus.redis.get(self.bus.streams.loaded_weights(self.agent))
-        if raw is None:
-            return
-        w = WeightsUpdate.model_validate_json(raw)
-        if is_adapter_dir(w.path) and await refusal(self.bus.redis, self.bus.streams, run_secret(), w) is None:
-            self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
-            if self.acfg.share_engines_with:
-                await publish_kept(self.bus.redis, self.bus.streams, self.agent, self.sync.kept)
-            log.info("serving adapter version %d on the external router's workers", w.weight_version)
 
     # --- the load report --------------------------------------------------------------
     async def report_load(self, stop: asyncio.Event) -> None:
@@ -280,19 +239,16 @@ class RolloutService:
             for g in await self.bus.redis.xinfo_groups(s.turns(self.agent)):
                 if g["name"] in (b"rollout", "rollout"):
                     depth = int(g.get("lag") or 0) + int(g.get("pending") or 0)
-        engines = [EngineStatus(**e) for e in self.fleet.snapshot()] if self.fleet else []
-        if self.fleet is None:
-            with contextlib.suppress(httpx.HTTPError, RuntimeError):  # an external router may be down a while
-                urls = await list_workers(self.router_url, token=self.token)
-                engines = [EngineStatus(url=u, healthy=True) for u in urls]
+        engines = [EngineStatus(**e) for e in await self.pool.status()]
         await self.bus.publish(s.events, RolloutLoad(
             source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
             capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines,
-            router_restarts=self.fleet.router_restarts if self.fleet else 0))
+            router_restarts=self.pool.router_restarts))
 
 
-async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
-    """A restarted rollout puts its fresh engines on the version the agent had loaded before."""
+async def resume_weights(bus: Bus, agent: str, fleet: Engines) -> None:
+    """A restarted rollout goes on from the version the agent had loaded before, when it is authentic: its
+    fresh fleet loads it; an external router's workers, which outlive the rollout, are named it again."""
     raw = await bus.redis.get(bus.streams.loaded_weights(agent))
     if raw is None:
         return
@@ -305,7 +261,7 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
     if why is not None:
         log.warning("not resuming weights version %d (%s): engines start on the base model", w.weight_version, why)
         return
-    await fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
+    await fleet.resume(w.path, w.weight_version, WeightsProof.of(w))
     log.info("resumed on version %d", w.weight_version)
 
 
