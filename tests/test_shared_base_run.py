@@ -66,8 +66,11 @@ def run(tmp_path_factory: pytest.TempPathFactory, warm_model_dir: Path) -> dict[
         proc = launch_up(path, stdout=log)
         try:
             launcher = psutil.Process(proc.pid)
-            wait_until(lambda: all(a["weight_version"] >= 1 for a in status(api)["agents"].values()), 300,
-                       "both agents to load version 1", proc)
+            try:
+                wait_until(lambda: all(a["weight_version"] >= 1 for a in status(api)["agents"].values()), 300,
+                           "both agents to load version 1", proc)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}:\n{(d / 'launcher.log').read_text(errors='replace')[-3000:]}") from None
             fleet = fleet_processes(launcher)  # one group at a time: steps 2-4 are still to play
             seen["fleet"] = {k: len(v) for k, v in fleet.items()}
             seen["rollouts"] = {a: s["rollout"] for a, s in status(api)["agents"].items()}

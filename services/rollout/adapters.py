@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
+from redis.exceptions import RedisError
 
 from services.common.weights_auth import WeightsProof
 from services.contracts.records import KeptAdapter
@@ -107,10 +108,14 @@ async def publish_kept(redis: Any, streams: Streams, agent: str, kept: list[Serv
 
 
 async def read_kept(redis: Any, streams: Streams, agents: list[str]) -> list[Served]:
-    """The adapter versions the ``agents`` sharing a fleet need on every engine of it (an unreadable record: none)."""
+    """The adapter versions the ``agents`` sharing a fleet need on every engine of it (a malformed record: none;
+    Redis unreachable: ``RuntimeError``, so the fleet tries the engine's registration again)."""
     out: list[Served] = []
     for agent in agents:
-        raw = await redis.get(streams.engine_adapters(agent))
+        try:
+            raw = await redis.get(streams.engine_adapters(agent))
+        except RedisError as exc:
+            raise RuntimeError(f"cannot read the adapters agent {agent} needs on the shared engines: {exc}") from exc
         try:
             kept = KEPT_LIST.validate_json(raw) if raw is not None else []
         except ValidationError as exc:

@@ -165,10 +165,13 @@ class EngineFleet:
             if self.latest is not None and (e.weight_version != self.latest[1] or self.sync.missing(e.adapters)):
                 await self._apply(e, *self.latest, self.latest_proof)
                 e.weight_version = self.latest[1]
-            await self._load_shared(e)
+            await self._load_shared(e)  # a RuntimeError (their record unreadable) leaves it out, to try again
             await add_worker(self.router_url, e.url, timeout=60, token=self.token)
             e.registered, e.failures = True, 0
-            await self._load_shared(e)  # a version a sharing rollout recorded while it registered
+            try:
+                await self._load_shared(e)  # a version a sharing rollout recorded while it registered
+            except RuntimeError as exc:
+                log.warning("engine %s: %s", e.url, exc)
 
     async def _load_shared(self, e: ManagedEngine) -> None:
         """Load on engine ``e`` the adapters the agents sharing the fleet need and it lacks. One that fails is
