@@ -214,12 +214,15 @@ def _admin_guard(admin_token: str | None) -> Any:
 Signer = tuple[bytes, tuple[str, ...]]  # the run's secret; this engine's agent, then the agents sharing it
 
 
-def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer: Signer | None) -> None:
-    """Weight loading, cache, pause/continue and abort: the admin token's routes. With ``signer`` (the run's
-    secret and this engine's agents) a load needs the trainer's signature too (``weights_auth.load_refusal``):
-    full weights only the engine's own agent's, an adapter any of its agents'."""
-    admin = [Depends(_admin_guard(admin_token))]
+def _own(signer: Signer) -> tuple[bytes, str]:
+    """The run's secret and the engine's own agent (whose trainer alone may replace its full weights)."""
+    return signer[0], signer[1][0]
 
+
+def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer: Signer | None) -> None:
+    """Weight loading, cache, pause/continue and abort: the admin token's routes. With ``signer`` a load needs
+    the trainer's signature (``weights_auth.load_refusal``): full weights the engine's own agent's only."""
+    admin = [Depends(_admin_guard(admin_token))]
     @app.post("/update_weights_from_disk", dependencies=admin)
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body: UpdateWeightFromDiskReqInput = await _parse(request, UpdateWeightFromDiskReqInput)
@@ -230,8 +233,7 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer:
             except ValueError:
                 raise EngineError(f"weight_version must be an integer, got {body.weight_version!r}") from None
         if signer is not None and (why := await asyncio.to_thread(
-                load_refusal, signer[0], signer[1][0], version, body.model_path,
-                WeightsProof.from_headers(request.headers))):
+                load_refusal, *_own(signer), version, body.model_path, WeightsProof.from_headers(request.headers))):
             out = UpdateWeightFromDiskReqOutput(success=False, message=f"refused: {why}")
             return JSONResponse(out.model_dump(), status_code=403)
         paused = engine.load()["num_reqs"] if engine.paused else 0
