@@ -18,7 +18,7 @@ TEST_WORKERS ?= 2
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
 # tinker-cookbook, a CLIENT of `tandem serve`, in a virtualenv of its own: it pins transformers<=5.5.4,
-# older than the project's. tests/test_tinker_cookbook.py runs one of its recipes from there.
+# older than the project's. tests/e2e/test_tinker_cookbook.py runs one of its recipes from there.
 COOKBOOK_VENV ?= build/cookbook-venv
 COOKBOOK_SPEC ?= tinker==0.38.0 tinker-cookbook==0.5.8 transformers==5.5.4 textarena==0.7.4
 COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(COOKBOOK_SPEC)' | md5sum | cut -c1-12)
@@ -84,10 +84,10 @@ dashboard-assets:
 	cd - >/dev/null && cp $$tmp/package/dist/uPlot.iife.min.js $$tmp/package/dist/uPlot.min.css $(DASH_VENDOR)/ && \
 	cp $$tmp/package/LICENSE $(DASH_VENDOR)/uPlot.LICENSE && rm -rf $$tmp
 
-# the compose run (tests/test_compose_run.py) builds images: its own target, test-compose
+# the compose run (tests/e2e/test_compose_run.py) builds images: its own target, test-compose
 test: install browser cookbook-venv docs
 	$(VENV)/bin/ruff check services tests docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 --ignore=tests/test_compose_run.py
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 --ignore=tests/e2e/test_compose_run.py
 
 # the generated reference is current, and the site builds with strict link checking (into build/site)
 docs: install
@@ -99,11 +99,11 @@ docs-gen: install
 	$(PY) docs/gen_reference.py
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_compose_run.py
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/e2e/test_compose_run.py
 
-# the in-process tests alone (no Redis, engine, router or child process): about a minute on 2 cores
+# the in-process tests alone (tests/unit/: no Redis, engine, router or child process): about a minute on 2 cores
 test-unit: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m unit --ignore=tests/test_compose_run.py
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m unit tests/unit
 
 bench: install
 	$(PY) tests/bench/run_benchmarks.py
@@ -164,4 +164,4 @@ images:
 # The compose run end to end (slow: builds images, runs the cpu profile shortened); skips where no engine starts.
 test-compose: install
 	-$(MAKE) docker-engine
-	$(PY) -m pytest -q -m slow tests/test_compose_run.py
+	$(PY) -m pytest -q -m slow tests/e2e/test_compose_run.py

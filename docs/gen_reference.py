@@ -1,7 +1,7 @@
 """Generate the reference pages under docs/reference/ from the code itself; never edit them by hand.
 
     python docs/gen_reference.py          # (re)write docs/reference/{cli,config,api,metrics,streams}.md
-    python docs/gen_reference.py --check  # exit 1 naming each page that is stale (tests/test_docs.py runs it)
+    python docs/gen_reference.py --check  # exit 1 naming each page that is stale (tests/unit/test_docs.py runs it)
 
 Each page comes from one source: the CLI from ``tandem``'s argparse parser, the config from the pydantic
 models (every field must carry a ``description=``), the control API from its OpenAPI document, the
@@ -99,7 +99,7 @@ def _default(field: Any) -> str:
 
 
 def undescribed() -> list[str]:
-    """Every config field without a description (tests/test_docs.py wants none)."""
+    """Every config field without a description (tests/unit/test_docs.py wants none)."""
     return [f"{paths[0]}{'.' if paths[0] else ''}{name} ({model.__name__})" for model, paths in _config_models().items()
             for name, field in model.model_fields.items() if not (field.description or "").strip()]
 
@@ -253,7 +253,7 @@ def shared_keys() -> list[str]:
     from services.contracts.keys import KEYS, SCRIPTS
 
     lines = ["", "## Shared keys", "", "The key table (`services/contracts/keys.py`, checked against the code by "
-             "`tests/test_keys.py`): the keys more than one service writes or reads (`*`: every service).", "",
+             "`tests/unit/test_keys.py`): the keys more than one service writes or reads (`*`: every service).", "",
              "| key | owner | writers | readers | value |", "|---|---|---|---|---|"]
     for k in KEYS.values():
         value = f"`{k.value.__name__}`" if isinstance(k.value, type) else cell(k.value)

@@ -34,31 +34,35 @@ from services.common.embedded_redis import EmbeddedRedis  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO = Path(__file__).resolve().parents[1]
-# Tests by cost: ``e2e`` (marked ``slow``: a whole ``tandem up``, compose, the browser), ``integration`` (a real
-# Redis, engine, router, HTTP server or child process: the fixtures below or a module listed here, the modules
-# whose tests start one, as measured with --durations) and ``unit`` (the rest: in process, no network).
+# Tests by cost, one folder each: tests/unit/ (in process, no network), tests/integration/ (a real Redis, engine,
+# router, HTTP server or child process) and tests/e2e/ (a whole ``tandem up``, compose, the browser). A file sits in
+# the folder of most of its tests; a costlier test in it is marked by its own cost: ``slow`` (a whole run) makes it
+# ``e2e``, a Redis fixture or an ``integration`` mark makes it ``integration``. No test is marked cheaper than its
+# folder, so ``-m unit`` (``make test-unit``) starts nothing.
+COSTS = ("unit", "integration", "e2e")
+TESTS = Path(__file__).resolve().parent
 REDIS_FIXTURES = frozenset({"redis_server", "redis_url"})
-INTEGRATION_MODULES = frozenset({
-    "test_adapter_sync", "test_bus", "test_collect", "test_dashboard", "test_deploy_files", "test_embedded_redis",
-    "test_engine_long_step", "test_env_runs", "test_health", "test_import_rules", "test_info", "test_launcher",
-    "test_launcher_supervision", "test_players", "test_redis_faults", "test_rollout_fleet", "test_router",
-    "test_services", "test_sft_file", "test_slow_engine", "test_tinker_api", "test_tinker_auth",
-    "test_tinker_durable", "test_tinker_lifetimes", "test_tinker_model_names", "test_tinker_never_hang",
-    "test_tinker_weights_out", "test_tools", "test_trainer_torch", "test_turn_batching", "test_weights_auth"})
+
+
+def cost(item: pytest.Item) -> str:
+    """``unit``, ``integration`` or ``e2e``: the costlier of the test's folder and the test's own marks."""
+    folder = item.path.resolve().relative_to(TESTS).parts[0]
+    if folder not in COSTS:
+        raise pytest.UsageError(f"{item.nodeid}: a test file belongs in tests/unit, tests/integration or tests/e2e")
+    own = "unit"
+    if item.get_closest_marker("slow"):
+        own = "e2e"
+    elif item.get_closest_marker("integration") or REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        own = "integration"
+    return max(folder, own, key=COSTS.index)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test ``unit``, ``integration`` or ``e2e`` by what it starts (``make test-unit`` runs the first)."""
+    """Mark every test ``unit``, ``integration`` or ``e2e`` (``make test-unit`` runs the first)."""
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.e2e)
-        elif item.get_closest_marker("integration"):
-            continue  # marked by its own module or test
-        elif REDIS_FIXTURES & set(getattr(item, "fixturenames", ())) or module in INTEGRATION_MODULES:
-            item.add_marker(pytest.mark.integration)
-        else:
-            item.add_marker(pytest.mark.unit)
+        marker = cost(item)
+        if not item.get_closest_marker(marker):
+            item.add_marker(getattr(pytest.mark, marker))
 
 
 # what the warm start's weights depend on: its code, the code it plays with, and the library versions

@@ -1,4 +1,5 @@
-"""Helpers the tests share: a Sample factory, wait-until pollers, and the embedded engine and Tinker server set-ups.
+"""Helpers the tests share: a Sample factory, wait-until pollers, ``tandem up`` runs, and the embedded engine (in
+process, or as processes behind the real SGLang router) and Tinker server set-ups.
 
 Imported as ``from tests.helpers import ...``; the fixtures built on them live in the test files (or conftest).
 """
@@ -6,6 +7,7 @@ Imported as ``from tests.helpers import ...``; the fixtures built on them live i
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +20,10 @@ import httpx
 from fastapi import FastAPI
 from pydantic import ValidationError
 
+from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.bus import Bus
+from services.common.embedded_redis import free_port
+from services.common.sglang_router import list_workers, router_command, wait_healthy
 from services.contracts.codec import FIELD, decode
 from services.contracts.messages import Sample
 from services.coordinator.ledger import GroupLedger
@@ -119,6 +124,66 @@ def launch_up(config: Path, *flags: str, stdout: Any, text: bool = False) -> sub
     """``tandem up CONFIG FLAGS`` as a child run from the repository root, its output and errors to ``stdout``."""
     return subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(config), *flags], cwd=REPO,
                             stdout=stdout, stderr=subprocess.STDOUT, text=text)
+
+
+def run_up(config: Path, *flags: str, env: dict[str, str] | None = None,
+           timeout: float = 120) -> subprocess.CompletedProcess:
+    """``tandem up CONFIG FLAGS`` run to its end from the repository root, its output and errors captured."""
+    return subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(config), *flags], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen]) -> None:
+    """Terminate every process still running, then wait for each (killed after 10 s)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+async def _router_lists(router_url: str, engine_urls: list[str], logs: Path) -> None:
+    await asyncio.gather(*(wait_healthy(u, timeout=180) for u in [*engine_urls, router_url]))  # a loaded machine
+    for _ in range(300):
+        if sorted(await list_workers(router_url, healthy_only=True, token=ADMIN_TOKEN)) == sorted(engine_urls):
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"the router never listed every engine; see {logs}")
+
+
+@contextmanager
+def engines_behind_router(model_dir: Path, logs: Path, engine_ids: Sequence[str],
+                          *engine_args: str) -> Iterator[tuple[str, list[str]]]:
+    """Real embedded engines (``python -m services.engine``, one per id, with ``engine_args``) behind the real
+    SGLang router, all guarded by ``ADMIN_TOKEN``: (router URL, engine URLs) once the router lists every engine
+    healthy; all stopped on exit. Each process logs to ``logs/<engine id>.log`` or ``logs/router.log``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: ADMIN_TOKEN}
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        urls = []
+        for engine_id in engine_ids:
+            port = free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            files.append((logs / f"{engine_id}.log").open("wb"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(model_dir),
+                                           "--port", str(port), "--engine-id", engine_id, *engine_args],
+                                          cwd=REPO, env=env, stdout=files[-1], stderr=subprocess.STDOUT))
+        rport = free_port()
+        files.append((logs / "router.log").open("wb"))
+        procs.append(subprocess.Popen(router_command(rport, urls, admin_token=ADMIN_TOKEN), cwd=REPO, env=env,
+                                      stdout=files[-1], stderr=subprocess.STDOUT))
+        router_url = f"http://127.0.0.1:{rport}"
+        asyncio.run(_router_lists(router_url, urls, logs))
+        yield router_url, urls
+    finally:
+        stop_processes(procs)
+        for f in files:
+            f.close()
 
 
 async def first_response(client: httpx.AsyncClient, path: str, tries: int = 100) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""A plug-in tool defined outside services/, loaded by ``plugin_tool:Slow`` (tests/ is on the path): it sleeps as
+"""A plug-in tool defined outside services/, loaded by ``tests.plugin_tool:Slow``: it sleeps as
 long as it is told.
 
 A module of its own rather than a class in a test module: loading it by path imports it plainly, with no

@@ -3,7 +3,7 @@
 Every stream is ``tandem:{run}:{name}`` or ``tandem:{run}:{name}:{agent or coordinator}``
 (``streams.Streams``); ``FLOWS[name]`` says what its entries are. The Bus takes the message model
 from here (``Bus.consume`` validates every entry as ``flow.message``; ``Bus.publish`` refuses a
-message of another type), and tests/test_flows.py checks every ``publish``/``consume``/``xadd`` in
+message of another type), and tests/integration/test_flows.py checks every ``publish``/``consume``/``xadd`` in
 ``services/`` against this table.
 
 | stream              | message          | producers                 | consumer groups                    |

@@ -2,7 +2,7 @@
 writes and reads it, and what its values are; and the Lua scripts that touch shared keys, with their KEYS.
 
 Every key is ``tandem:{run}:{name}`` (``streams.Streams``: ``helper`` names the method that builds it).
-tests/test_keys.py reads every Redis call in ``services/`` and fails on a service that reads or writes a
+tests/unit/test_keys.py reads every Redis call in ``services/`` and fails on a service that reads or writes a
 shared key without being listed here, on a key two services touch that is not listed, and on a script call
 whose KEYS differ from the script's entry. Services still meet only through these keys and the streams
 (contracts/flows.py): a shared key's owner decides its meaning; the others follow this table.

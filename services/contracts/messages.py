@@ -108,7 +108,7 @@ class GenerateReply(Message):
 
 
 def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
-    """The generated turns of a view: each run of 1s in ``loss_mask`` as [start, end) token positions."""
+    """Each run of 1s in ``loss_mask`` as [start, end) token positions: a Sample's turns when it names none."""
     spans, start = [], None
     for i, m in enumerate([*loss_mask, 0]):
         if m and start is None:
@@ -119,12 +119,22 @@ def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+class TurnSpan(BaseModel):
+    """One generated turn of a Sample: its tokens ``[start, end)``, all loss mask 1."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+
 class Sample(Message):
     """samples:{agent} — one agent-trajectory of one episode.
 
     ``tokens`` is the agent's whole view; ``loss_mask`` is 1 exactly on the
     tokens the agent's engines generated; ``rollout_logprobs`` holds the
-    engine's logprob on those positions and 0.0 elsewhere.
+    engine's logprob on those positions and 0.0 elsewhere. ``turns`` names each generated turn's tokens
+    (empty: each run of 1s in ``loss_mask`` is one, ``turn_spans``); ``spans`` is what the trainer reads.
     """
 
     agent: str
@@ -138,11 +148,14 @@ class Sample(Message):
     rollout_logprobs: list[Logprob]
     reward: FiniteFloat
     reward_terms: dict[str, FiniteFloat] = Field(default_factory=dict)
+    turns: list[TurnSpan] = Field(
+        default_factory=list, description="per generated turn (a turn with tool calls: per generation), in order, "
+        "its tokens [start, end): together exactly the loss mask's 1s. Empty: each run of 1s in loss_mask is a turn")
     weight_versions: list[int] = Field(min_length=1, description="per generated turn, the weight version")
     engines: list[str] = Field(default_factory=list)
     reply_ids: list[str] = Field(default_factory=list)
     turn_rewards: list[FiniteFloat] = Field(
-        default_factory=list, description="per generated turn (each run of 1s in loss_mask, in order), what that "
+        default_factory=list, description="per generated turn (``turns``, in order), what that "
         "turn earned: the environment's per-turn rewards to this role from it until the role's next turn, the "
         "last turn also the final reward; they sum to reward. Empty: the episode's reward only (algorithm.credit)")
     malformed_turns: int = Field(0, ge=0, description="this view's replies that the environment found illegal or "
@@ -160,13 +173,39 @@ class Sample(Message):
             raise ValueError("loss_mask holds values other than 0 and 1")
         if not any(self.loss_mask):
             raise ValueError("loss_mask covers no token: the agent generated nothing")
+        if self.turns:
+            self._check_turns()
         if self.turn_rewards:
-            turns = len(turn_spans(self.loss_mask))
+            turns = len(self.spans)
             if len(self.turn_rewards) != turns:
                 raise ValueError(f"turn_rewards has {len(self.turn_rewards)} values for {turns} generated turns")
             if abs(sum(self.turn_rewards) - self.reward) > 1e-6 * max(1.0, abs(self.reward)):
                 raise ValueError(f"turn_rewards sum to {sum(self.turn_rewards)}, not to reward {self.reward}")
         return self
+
+    def _check_turns(self) -> None:
+        """``turns`` in order, inside ``tokens``, on 1s of the mask and on all of them; one weight version (and
+        engine, reply id when given) per turn."""
+        at, covered = 0, 0
+        for k, t in enumerate(self.turns):
+            if t.start < at or t.end <= t.start or t.end > len(self.tokens):
+                raise ValueError(f"turns[{k}] = [{t.start}, {t.end}) is not a non-empty span after the previous "
+                                 f"turn (from {at}) inside the {len(self.tokens)} tokens")
+            if not all(self.loss_mask[t.start:t.end]):
+                raise ValueError(f"turns[{k}] = [{t.start}, {t.end}) covers tokens of loss mask 0")
+            at, covered = t.end, covered + t.end - t.start
+        if covered != sum(self.loss_mask):
+            raise ValueError(f"turns cover {covered} tokens, loss_mask has {sum(self.loss_mask)} 1s: a generated "
+                             "token outside every turn")
+        for name in ("weight_versions", "engines", "reply_ids"):
+            got = len(getattr(self, name))
+            if got != len(self.turns) and (got or name == "weight_versions"):
+                raise ValueError(f"{name} has {got} values for {len(self.turns)} turns")
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each generated turn's tokens [start, end): ``turns``, or the runs of 1s of an older producer's mask."""
+        return [(t.start, t.end) for t in self.turns] if self.turns else turn_spans(self.loss_mask)
 
     @property
     def min_weight_version(self) -> int:

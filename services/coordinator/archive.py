@@ -17,6 +17,8 @@ to ``runs/<run>/transcripts.jsonl.gz`` and removed from Redis.
   index). A lookup scans the index with ``mmap.find`` (C speed, ~40 bytes an episode: a few ms for a
   million) and decompresses only that member (at most ``ARCHIVE_BATCH`` records). An archive written before
   the index existed is indexed once, on the first lookup, by walking its members.
+* Browsing (``page``, the dashboard's archive list; ``archive_page`` / ``archive_find`` read a finished run's
+  archive without writing): the members newest first, each record once, filtered; a scan of the whole archive.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,53 @@ def read_archive(path: Path | str) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
+def _spans(path: Path, index: Path) -> list[tuple[int, int]]:
+    """The archive's members in append order: from the index, else (an archive written before the index,
+    read without writing one) by walking the members."""
+    if not index.is_file():
+        return [(offset, length) for offset, length, _ in members(path)] if path.is_file() else []
+    spans: dict[tuple[int, int], None] = {}
+    for line in index.read_bytes().splitlines():
+        fields = line.split(b"\t")
+        if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
+            spans.setdefault((int(fields[1]), int(fields[2])), None)
+    return list(spans)
+
+
+def newest_first(path: Path, index: Path) -> Iterator[dict[str, Any]]:
+    """Every archived record once (the newest copy of one archived twice), newest first; reads only."""
+    seen: set[str] = set()
+    for span in reversed(_spans(path, index)):
+        for rec in reversed(read_member(path, *span)):
+            if rec.get("id") not in seen:
+                seen.add(rec.get("id"))
+                yield rec
+
+
+def archive_page(path: Path, index: Path, keep: Callable[[dict[str, Any]], bool], offset: int, limit: int
+                 ) -> tuple[int, list[dict[str, Any]]]:
+    """The archived records ``keep`` passes, newest first: how many there are and those in
+    ``[offset, offset + limit)`` (a scan of the whole archive: blocking, call it off the loop)."""
+    total, page = 0, []
+    for rec in newest_first(path, index):
+        if keep(rec):
+            if offset <= total < offset + limit:
+                page.append(rec)
+            total += 1
+    return total, page
+
+
+def archive_find(path: Path, index: Path, episode_id: str) -> dict[str, Any] | None:
+    """The archived record of ``episode_id`` through the index (or a walk of the members without one); reads only."""
+    where = index_lookup(index, episode_id) if index.is_file() else None
+    spans = [where] if where is not None else ([] if index.is_file() else _spans(path, index))
+    for span in spans:
+        found = next((r for r in read_member(path, *span) if r.get("id") == episode_id), None)
+        if found is not None:
+            return found
+    return None
+
+
 def with_tokens(record: bytes, tokens: bytes | None) -> bytes:
     """The archived line: the episode's record, with its reply tokens when they were kept."""
     if tokens is None:
@@ -191,10 +240,13 @@ class TranscriptArchive:
         """The archived record of ``episode_id`` (with ``reply_tokens`` when they were kept), or None
         (blocking: call it off the loop)."""
         self.ensure_index()
-        where = index_lookup(self.index, episode_id)
-        if where is None:
-            return None
-        return next((r for r in read_member(self.path, *where) if r.get("id") == episode_id), None)
+        return archive_find(self.path, self.index, episode_id)
+
+    def page(self, keep: Callable[[dict[str, Any]], bool], offset: int, limit: int
+             ) -> tuple[int, list[dict[str, Any]]]:
+        """``archive_page`` of this archive (blocking: call it off the loop)."""
+        self.ensure_index()
+        return archive_page(self.path, self.index, keep, offset, limit)
 
 
 async def store_episode(bus: Bus, archive: TranscriptArchive, run_record: RunRecord, result: EpisodeResult,

@@ -1,4 +1,5 @@
-"""The coordinator's episodes: each one played (at most ``run.concurrent_episodes`` at a time), recorded, found.
+"""The coordinator's episodes: each one played (at most ``run.concurrent_episodes`` at a time, each training
+agent within its share of them while another has groups to play: slots.py), recorded, found.
 
 ``play`` runs one episode of an environment with its players (services/play/episode.py), its turns
 routed by the turn router; an env bug or a lost turn abandons that episode alone, counted per purpose
@@ -27,6 +28,7 @@ from services.coordinator.archive import TranscriptArchive, store_episode
 from services.coordinator.dashboard.transcripts import load_tokens
 from services.coordinator.players import Players
 from services.coordinator.record import RunRecord
+from services.coordinator.slots import EpisodeSlots
 from services.coordinator.state import RunState
 from services.play.episode import EpisodeResult, play_episode
 
@@ -40,7 +42,8 @@ class EpisodeLog:
     def __init__(self, cfg: TandemConfig, bus: Bus, state: RunState, players: Players, generate: Generate,
                  run_record: RunRecord) -> None:
         self.bus, self.state, self.players, self.generate, self.run_record = bus, state, players, generate, run_record
-        self.slots = asyncio.Semaphore(cfg.run.concurrent_episodes)
+        self.slots = EpisodeSlots(cfg.run.concurrent_episodes, state.agents,  # groups left to launch or in flight
+                                  lambda a: state.agents[a].wants_groups() or state.agents[a].in_flight_groups > 0)
         self.recent: dict[str, dict[str, Any]] = {}  # recent transcripts (the API's cache)
         self.archive = TranscriptArchive(bus, cfg.run.transcripts_kept, cfg.run_dir())
         self.k_train_play, self.k_failed = bus.streams.key("coord:train_play"), bus.streams.key("coord:episodes_failed")
@@ -54,7 +57,7 @@ class EpisodeLog:
 
     async def play(self, env: Any, group_id: str, roles: dict[str, Player], purpose: str,
                    sampling: dict[Player, SamplingParams], rng: random.Random | None = None) -> EpisodeResult | None:
-        async with self.slots:
+        async with self.slots.hold(roles):
             try:
                 tokenizers, context = await self.players.tokenizers_for(roles)
                 result = await play_episode(env, new_id(), group_id, roles, tokenizers, sampling,
@@ -88,6 +91,11 @@ class EpisodeLog:
                 return None
             rec.pop("reply_tokens", None)  # archived with the record; served by the tokens route
         return dict(rec)
+
+    async def archived(self, keep: Callable[[dict[str, Any]], bool], offset: int, limit: int
+                       ) -> tuple[int, list[dict[str, Any]]]:
+        """The archived transcripts ``keep`` passes, newest first: their count and one page (archive.py)."""
+        return await asyncio.to_thread(self.archive.page, keep, offset, limit)
 
     async def tokens(self, episode_id: str) -> dict[str, Any] | None:
         """The episode's reply tokens: kept in Redis for recent episodes, in the archive with older ones."""

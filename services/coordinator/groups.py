@@ -25,7 +25,7 @@ from services.coordinator.ledger import GroupLedger
 from services.coordinator.players import Players
 from services.coordinator.state import RunState
 from services.envs.base import Environment
-from services.play.episode import EpisodeResult, group_scripted_rng
+from services.play.episode import EpisodeResult, group_samples, group_scripted_rng
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -69,7 +69,7 @@ class GroupPlay:
 
     async def play_group(self, index: int, roles: dict[str, Player], group_id: str) -> list[EpisodeResult]:
         seed, shared = self.cfg.run.seed * 1_000_003 + index, self.cfg.environment.scripted_rng == "group"
-        envs = self.env_cls.make_group(self.cfg.environment.params, seed, self.cfg.environment.group_size)
+        envs = self.env_cls.make_group(self.cfg.environment.env_params(), seed, self.cfg.environment.group_size)
         sampling = self.players.sampling_for(roles)
         results = await asyncio.gather(*(self.episodes.play(e, group_id, roles, "train", sampling,
                                                             group_scripted_rng(seed) if shared else None)
@@ -85,11 +85,10 @@ class GroupPlay:
         try:
             done = await asyncio.wait_for(self.play_group(index, roles, group_id), timeout)
             self.seconds.add(time.monotonic() - started)
-            group_samples = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
-                             for a in agents}
-            samples = [sample for r in done for sample in r.samples(group_samples)]
+            counts = group_samples(done, agents)
+            samples = [sample for r in done for sample in r.samples(counts)]
             empty = {a: "episode error: every episode of the group failed" if not done else "no turn in any episode"
-                     for a in agents if not group_samples[a]}
+                     for a in agents if not counts[a]}
             means = await self.ledger.emit(group_id, samples, empty)
             emitted = set(means)
             for agent, mean in means.items():

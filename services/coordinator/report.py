@@ -1,4 +1,5 @@
-"""End-of-run report (docs/architecture.md §10): ``runs/<run>/summary.json``, ``metrics.json`` and a plot.
+"""End-of-run report (docs/architecture.md §10): ``runs/<run>/summary.json``, ``metrics.json``, a plot and
+``config.json`` (the run's config without its secrets, for ``tandem dashboard RUN``).
 
 ``summary.json`` holds per agent the training figures, the illegal or format-failure rate of its
 training episodes (overall and per weight version, train_play.py) and ``eval_curves``: per
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.contracts.config import TandemConfig
 from services.coordinator.learning_signal import signal_status
 from services.coordinator.state import RunState
 from services.coordinator.train_play import curve, totals
@@ -86,8 +88,18 @@ def build_summary(state: RunState, evals: list[dict[str, Any]]) -> dict[str, Any
             "episodes_failed": state.episodes_failed, "wall_s": None, "agents": agents, "evals": evals}
 
 
+def saved_config(cfg: TandemConfig) -> dict[str, Any]:
+    """The config as the run directory keeps it (``config.json``, read by ``tandem dashboard RUN``): without
+    the API token or the Redis URL (which may hold a password)."""
+    data = cfg.model_dump(mode="json")
+    data["api"]["token"] = ""
+    data["redis_url"] = ""
+    return data
+
+
 def write_report(state: RunState, evals: list[dict[str, Any]], out_dir: Path, wall_s: float) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(saved_config(state.cfg), indent=1))
     summary = build_summary(state, evals)
     summary["wall_s"] = round(wall_s, 1)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

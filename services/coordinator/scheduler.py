@@ -2,15 +2,15 @@
 
 ``Coordinator`` wires the run's parts and runs the loop. The parts: the turn router (router.py: turns out,
 replies back), the players (players.py: tokenizers, each agent's pool of versions), the episode log
-(episodes.py: each episode played and recorded), the evaluations (evals.py: their reports and runs), the
-group play (groups.py: a group launched, played, emitted or abandoned) and the events folded into the run
-state (events.py). The stream handlers are ``router.on_reply`` (replies), ``events.on_event`` (events) and
-``on_control`` (control). Main loop (``run``): evaluate every agent against the env's scripted opponents;
-launch GRPO groups while the staleness gate allows (state.py) and the run is not paused (past a group
-whose agents' gates are closed, to the next whose are open), evaluating every
-``eval.every_n_steps`` beside them; when every agent has loaded its last version, evaluate again, write the
-report and tell all services to stop. Restartable: ``restore`` rebuilds the run state from Redis (record.py,
-ledger.py).
+(episodes.py: each episode played in a slot, within its agents' share of them (slots.py), and recorded), the
+evaluations (evals.py: their reports and runs), the group play (groups.py: a group launched, played, emitted
+or abandoned) and the events folded into the run state (events.py). The stream handlers are
+``router.on_reply`` (replies), ``events.on_event`` (events) and ``on_control`` (control). Main loop (``run``):
+evaluate every agent against the env's scripted opponents; launch GRPO groups while the staleness gate allows
+(state.py) and the run is not paused (past a group whose agents' gates are closed, to the next whose are
+open), evaluating every ``eval.every_n_steps`` beside them; when every agent has loaded its last version,
+evaluate again, write the report and tell all services to stop. Restartable: ``restore`` rebuilds the run
+state from Redis (record.py, ledger.py).
 """
 
 from __future__ import annotations

@@ -137,8 +137,7 @@ class _CodeMixin(_Verifiable[CodeParams]):
         p = self.params
         limits = {"cpu_s": p.cpu_s, "memory_mb": p.memory_mb, "wall_s": p.wall_s}
         if p.dataset is not None:
-            rows = p.dataset.rows()
-            return code_task_from(rows[rng.randrange(len(rows))], p.dataset, limits)
+            return code_task_from(p.dataset.draw(rng), p.dataset, limits)
         return make_code_task(rng, limits)
 
     async def grade(self, reply: str) -> float | None:

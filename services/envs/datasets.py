@@ -1,40 +1,38 @@
-"""Tasks from a local dataset: ``environment.params.dataset`` of the math and code environments.
+"""Tasks from a local dataset: ``environment.dataset`` (or ``environment.params.dataset``) of the math, code and
+tool-math environments.
 
-A ``DatasetSpec`` names a local file or directory (nothing is fetched): JSON Lines (``.jsonl``), a JSON list
-(``.json``), Parquet (``.parquet``, through ``pyarrow``: the ``datasets`` extra), or a directory written by
-Hugging Face ``datasets``' ``save_to_disk`` (the ``hf-datasets`` extra). ``{split}`` in the path is replaced by
-the split's name (``data/gsm8k.{split}.jsonl``); a directory of ``datasets`` holds its splits itself; a single
-file without ``{split}`` may carry a ``split_column``. ``fields`` maps the task's fields (``question`` and
-``answer`` for math, ``prompt`` and ``tests`` for code) to the dataset's columns. ``split`` feeds training and
-``eval_split`` (when set) the held-out evaluation (``Environment.evaluation_params``). A missing file, split
-or column fails when the parameters are checked, at start, naming the parameter.
+A ``DatasetSpec`` (the config's ``DatasetConfig``, whose files it reads) names a local file or directory
+(nothing is fetched): JSON Lines (``.jsonl``), a JSON list (``.json``), Parquet (``.parquet``, through
+``pyarrow``: the ``datasets`` extra), or a directory written by Hugging Face ``datasets``' ``save_to_disk`` (the
+``hf-datasets`` extra). ``{split}`` in the path is replaced by the split's name (``data/gsm8k.{split}.jsonl``); a
+directory of ``datasets`` holds its splits itself; a single file without ``{split}`` may carry a
+``split_column``. ``fields`` maps the task's fields (``question`` and ``answer`` for math, ``prompt`` and
+``tests`` for code) to the dataset's columns. ``split`` feeds training and ``eval_split`` (when set) the
+held-out evaluation (``Environment.evaluation_params``). A missing file, split or column fails when the
+parameters are checked, at start, naming the parameter.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import random
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 
 from services.common.extras import missing
+from services.contracts.config import DatasetConfig
 from services.envs.params import EnvParams
 
 FORMATS = (".jsonl", ".json", ".parquet")
 
 
-class DatasetSpec(EnvParams):
-    """Where an environment's tasks come from (instead of its generator)."""
+class DatasetSpec(DatasetConfig, EnvParams):
+    """Where an environment's tasks come from (instead of its generator), checked against its files."""
 
-    split: str = Field("train", min_length=1, description="the split training draws tasks from")
-    eval_split: str | None = Field(None, description="the held-out split evaluations draw from; unset: `split`")
-    split_column: str | None = Field(None, description="a single file's column naming each row's split")
-    fields: dict[str, str] = Field(default_factory=dict, description="task field -> the dataset's column "
-                                   "(math: question, answer; code: prompt, tests); unset fields keep their name")
-    path: str = Field(description="a local .jsonl, .json or .parquet file ({split} in it: the split's name), or "
-                      "a directory saved by Hugging Face datasets")
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     @field_validator("path")
     @classmethod
@@ -57,6 +55,11 @@ class DatasetSpec(EnvParams):
                     raise ValueError(f"fields.{name}: no column {column!r} in {self.path} "
                                      f"(columns: {', '.join(rows[0])})")
         return self
+
+    def draw(self, rng: random.Random) -> dict[str, Any]:
+        """One row of ``split``, drawn with ``rng`` (the group's seed: a group's copies share it)."""
+        rows = self.rows()
+        return rows[rng.randrange(len(rows))]
 
     def column(self, name: str) -> str:
         return self.fields.get(name, name)

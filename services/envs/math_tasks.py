@@ -8,7 +8,8 @@ both count): 1 if equal to the answer, 0 otherwise; a reply with no integer
 is unparseable (``-format_penalty``). See verifiable.py for the roles and rewards.
 
 Parameters: ``kinds`` ("arith", "linear" or "arith,linear"), ``max_operand``
-(1..1000), ``format_penalty``, and ``revise`` for the solver-critic form.
+(1..1000), ``format_penalty``, and ``revise`` for the solver-critic form; ``dataset`` (``MathDatasetParams``,
+also ``tool_math``'s) draws the problems from a local dataset instead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 
 from services.envs.datasets import DatasetSpec
+from services.envs.params import EnvParams
 from services.envs.verifiable import SolveCriticEnv, SolveEnv, Task, VerifiableParams, _Verifiable
 
 KINDS = ("arith", "linear")
@@ -60,9 +62,9 @@ def math_task_from(row: dict, spec: DatasetSpec) -> MathTask:
                     answer=answer)
 
 
-class MathParams(VerifiableParams):
-    kinds: str = Field("arith,linear", description=f"a comma list of {', '.join(KINDS)}")
-    max_operand: int = Field(9, ge=1, le=1000)
+class MathDatasetParams(EnvParams):
+    """A ``dataset`` of math problems (``math`` and ``tool_math``): its rows need a question and an answer."""
+
     dataset: DatasetSpec | None = Field(None, description="draw the problems from a local dataset (question, "
                                         "answer) instead of generating them (docs/guides/datasets.md)")
 
@@ -72,6 +74,15 @@ class MathParams(VerifiableParams):
         if dataset is not None:
             dataset.require("question", "answer")
         return dataset
+
+    def dataset_task(self, rng: random.Random) -> MathTask | None:
+        """A problem drawn from the dataset; None without one (the environment generates its own)."""
+        return None if self.dataset is None else math_task_from(self.dataset.draw(rng), self.dataset)
+
+
+class MathParams(VerifiableParams, MathDatasetParams):
+    kinds: str = Field("arith,linear", description=f"a comma list of {', '.join(KINDS)}")
+    max_operand: int = Field(9, ge=1, le=1000)
 
     @field_validator("kinds")
     @classmethod
@@ -91,9 +102,8 @@ class _MathMixin(_Verifiable[MathParams]):
     }
 
     def make_task(self, rng: random.Random) -> Task:
-        if self.params.dataset is not None:
-            rows = self.params.dataset.rows()
-            return math_task_from(rows[rng.randrange(len(rows))], self.params.dataset)
+        if (task := self.params.dataset_task(rng)) is not None:
+            return task
         return make_math_task(rng, [k.strip() for k in self.params.kinds.split(",")], self.params.max_operand)
 
 

@@ -71,10 +71,7 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
         env_cls = load_environment(env_cfg.name)
     except ValueError as exc:
         raise ValueError(f"environment.name: {exc}") from None
-    try:
-        env_cls.check_params(env_cfg.params)
-    except EnvParamError as exc:  # names the parameter: environment.params.high: guess_number: high ...
-        raise ValueError(f"environment.params{'.' + exc.field if exc.field else ''}: {exc}") from None
+    _check_params(env_cls, env_cfg)
     missing = [r for r in env_cls.roles if r not in env_cfg.roles]
     extra = [r for r in env_cfg.roles if r not in env_cls.roles]
     if missing or extra:
@@ -95,6 +92,24 @@ def check_environment_config(env_cfg: EnvironmentConfig) -> type[Environment]:
             _check_opponent(env_cls, env_cfg, opponent,
                             f"environment.eval.{field}" + (f"[{i}]" if env_cfg.eval.opponents else ""))
     return env_cls
+
+
+def takes_dataset(env_cls: type[Environment]) -> bool:
+    return "dataset" in env_cls.Params.model_fields
+
+
+def _check_params(env_cls: type[Environment], env_cfg: EnvironmentConfig) -> None:
+    """The environment's parameters, ``environment.dataset`` among them, each fault naming its field."""
+    if env_cfg.dataset is not None and not takes_dataset(env_cls):
+        with_one = [n for n in BUILTINS if takes_dataset(load_environment(n))]
+        raise ValueError(f"environment.dataset: {env_cfg.name} takes no dataset (the environments that do: "
+                         f"{', '.join(with_one)})")
+    try:
+        env_cls.check_params(env_cfg.env_params())
+    except EnvParamError as exc:  # names the parameter: environment.params.high: guess_number: high ...
+        top = env_cfg.dataset is not None and exc.field.split(".")[0] == "dataset"  # environment.dataset's fault
+        raise ValueError(f"environment{'' if top else '.params'}{'.' + exc.field if exc.field else ''}: {exc}"
+                         ) from None
 
 
 def _check_opponent(env_cls: type[Environment], env_cfg: EnvironmentConfig, opponent: str | dict[str, str],

@@ -20,11 +20,10 @@ import random
 import re
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from services.envs.base import Environment, StepResult
-from services.envs.datasets import DatasetSpec
-from services.envs.math_tasks import INTEGER, MathTask, math_task_from
+from services.envs.math_tasks import INTEGER, MathDatasetParams, MathTask
 from services.envs.params import SHAPING
 from services.envs.tools.base import ToolParams
 from services.envs.tools.search import CATALOGUE
@@ -50,17 +49,8 @@ def word_problem(rng: random.Random, n: int) -> MathTask:
     return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
 
 
-class ToolMathParams(ToolParams, VerifiableParams):
+class ToolMathParams(ToolParams, VerifiableParams, MathDatasetParams):
     max_operand: int = Field(999, ge=10, le=10**6, description="the largest operand in a problem")
-    dataset: DatasetSpec | None = Field(None, description="draw the word problems from a local dataset (question, "
-                                        "answer) instead of generating them (docs/guides/datasets.md)")
-
-    @field_validator("dataset")
-    @classmethod
-    def _has_math_fields(cls, dataset: DatasetSpec | None) -> DatasetSpec | None:
-        if dataset is not None:
-            dataset.require("question", "answer")
-        return dataset
 
 
 class _ToolMathMixin(_Verifiable[ToolMathParams]):
@@ -75,9 +65,8 @@ class _ToolMathMixin(_Verifiable[ToolMathParams]):
         self.tool_calls = 0
 
     def make_task(self, rng: random.Random) -> Task:
-        if self.params.dataset is not None:
-            rows = self.params.dataset.rows()
-            return math_task_from(rows[rng.randrange(len(rows))], self.params.dataset)
+        if (task := self.params.dataset_task(rng)) is not None:
+            return task
         return word_problem(rng, self.params.max_operand)
 
     def tool_used(self, role: str, call: dict[str, Any]) -> None:

@@ -13,6 +13,9 @@ Protocol
   several, is malformed).
 * Attribute questions go to the answerer, who sees the secret object and must
   reply ``yes`` or ``no`` (the first of those words in the reply counts). The asker then sees the answer.
+  With ``facts`` the answerer is also told the object's row of the table (the attributes it has, "nothing
+  else" for the rest): the table is this game's truth, which a model's own knowledge need not share (a kite
+  is red here), so answering becomes reading the facts, a skill that carries to objects never trained on.
 Each role's default system message (``default_system``) tells a chat model this protocol.
 
 Rewards
@@ -119,6 +122,8 @@ class TwentyQuestionsParams(ChatParams, HeldOutParams):
     format_penalty: float = Field(0.2, ge=0.0, le=10.0)
     choices: int = Field(0, ge=0, le=len(TABLE), description="objects the asker is told the secret is among, "
                          "drawn per episode from the split's objects (the secret one of them); 0: every object")
+    facts: bool = Field(False, description="the answerer is told the secret object's attributes from the table "
+                        "(those it has; 'nothing else' for the rest) and asked to answer as they say")
     clue: bool = Field(False, description="the answerer first answers the question that best splits the objects, "
                        "asked by the environment; the asker sees the answer and starts with it (costs no question)")
 
@@ -158,7 +163,7 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         self.pending: str | None = None  # the attribute the answerer is asked about
         self.intro = f"Objects: {', '.join(self.choices)}."
         self.asker_note = f"{self.intro} Ask your first question, like 'Is it alive?' or 'Is it a {self.choices[0]}?'."
-        self.answerer_note = f"The secret object is: {self.secret}."
+        self.answerer_note = f"The secret object is: {self.secret}." + (self._facts() if self.params.facts else "")
         self.candidates = sorted(self.choices)  # what truthful answers so far allow (scripted asker)
         self.found = False
         self.truthful = self.lies = self.malformed = self.repeats = 0
@@ -175,8 +180,18 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         self.rng.shuffle(drawn)
         return drawn
 
+    def _facts(self) -> str:
+        """The secret object's row of the table, as the answerer is told it under ``facts``."""
+        has = [a for a in ATTRIBUTES if TABLE[self.secret][a]]
+        return "".join(f" It is {a}." for a in has) + (" It is nothing else." if has else " It is none of: "
+                                                         + ", ".join(ATTRIBUTES) + ".")
+
     def default_system_prompt(self, role: str) -> str:
-        """The asker's names this episode's objects when ``choices`` draws them."""
+        """The asker's names this episode's objects when ``choices`` draws them; under ``facts`` the answerer's
+        says to answer from the facts."""
+        if role == "answerer" and self.params.facts:
+            return ("We play twenty questions. You know the secret object and its facts. Answer each question "
+                    "about it with one word, 'yes' or 'no', as its facts say. Write nothing else.")
         if role != "asker" or not self.params.choices:
             return super().default_system_prompt(role)
         return ("We play twenty questions. I am thinking of one of these objects: " + ", ".join(self.choices)

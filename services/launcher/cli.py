@@ -6,26 +6,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib import metadata
 
 from services.common.cli_args import EVAL_DESCRIPTION, SERVE_DESCRIPTION, add_eval_arguments, add_serve_arguments
 from services.common.extras import missing
 from services.contracts.config import ConfigError
 from services.launcher import run_lock
+from services.launcher.info import version
 from services.launcher.overrides import add_set_argument, load_with_overrides, write_effective
 from services.launcher.pipeline import add_pipeline_commands, pipeline_command, sft_command
 from services.launcher.preflight import preflight
-from services.launcher.runs import add_run_commands, run_command
+from services.launcher.runs import add_run_commands, dashboard_command, run_command
 from services.launcher.sweep import add_sweep_command, sweep_command
 
 CONFIG_HELP = "the experiment's YAML config (e.g. configs/demo.yaml)"
-
-
-def version() -> str:
-    try:
-        return f"tandem {metadata.version('tandem')}"
-    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        return "tandem (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +156,7 @@ def tool_command(args: argparse.Namespace, argv: list[str]) -> int | None:
     if args.command == "init-demo":
         return init_demo(args.out_dir, args.force, args.task)
     commands = {"sft": sft_command, "pipeline": pipeline_command, "runs": run_command, "compare": run_command,
-                "sweep": sweep_command, "init-model": init_model}
+                "sweep": sweep_command, "init-model": init_model, "dashboard": dashboard_command}
     raise SystemExit(commands[args.command](args))
 
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import os
 import platform
+from importlib import metadata
 from typing import Any
 
 from services.common.extras import installed
+
+
+def version() -> str:
+    """``tandem X.Y.Z``: the installed package's version."""
+    try:
+        return f"tandem {metadata.version('tandem')}"
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "tandem (not installed)"
 
 
 def devices() -> list[str]:
@@ -30,7 +39,6 @@ def gather() -> dict[str, Any]:
     from services.contracts.config import BUILTIN_ALGORITHMS
     from services.envs.registry import BUILTINS
     from services.envs.tools.base import BUILTIN_TOOLS
-    from services.launcher.cli import version
 
     return {
         "version": version(), "python": platform.python_version(), "torch": torch.__version__,

@@ -10,9 +10,11 @@ checkpoint feeding the next:
 1. collect: ``pipeline.episodes`` episodes played by the agents' ``model_path`` (``tandem collect``), kept above
    ``pipeline.min_reward``, to ``<output_dir>/<run>-pipeline/trajectories.jsonl``;
 2. SFT: every training agent on its own trajectories with ``algorithm: sft`` (``pipeline.sft``: epochs,
-   max_samples, batch_size, lr; no KL term), to ``<checkpoint_root>/<run>-sft/<agent>/v#####``;
+   max_samples, batch_size, lr; no KL term), to ``<checkpoint_root>/<run>-sft/<agent>/v#####``: a full HF
+   directory (under the agent's ``lora``, the adapters it trained merged into the base);
 3. RL: ``tandem up`` of the config with each training agent's ``model_path`` set to its SFT checkpoint (the
-   effective config under ``<output_dir>/configs/<run>.yaml``).
+   effective config under ``<output_dir>/configs/<run>.yaml``); an agent with ``lora`` trains new adapters on
+   that merged model.
 
 ``<output_dir>/<run>-pipeline/pipeline.json`` records each stage: the file and the weight versions that played
 it, each SFT checkpoint with its start model and NLL, the RL run's start models and last checkpoints.
@@ -114,9 +116,6 @@ def stage_problems(cfg: TandemConfig) -> list[str]:
     for name, acfg in cfg.agents.items():
         if acfg.train and acfg.backend != "torch":
             problems.append(f"agents.{name}.backend: the pipeline's SFT stage trains on backend torch")
-        if acfg.train and acfg.lora is not None:
-            problems.append(f"agents.{name}.lora: the SFT stage trains every weight (its checkpoint becomes the RL "
-                            "run's model_path); set lora: null")
     return problems
 
 

@@ -6,7 +6,8 @@ steps and the reward of every group, with its time). A directory without a summa
 going (its service logs changed within ``ACTIVE_S``) or one that ended without a report.
 ``compare`` writes one PNG (training reward per group against the training step, smoothed: the groups
 emitted while step k was the latest trained one are spread over [k, k + 1); and the eval score at each
-weight version, per run and agent) and one Markdown table of the key figures.
+weight version, per run and agent) and one Markdown table of the key figures. ``tandem dashboard RUN``
+serves a finished run's dashboard, read-only, from its files (the coordinator's dashboard process).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -194,9 +196,32 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     p_cmp = sub.add_parser("compare", help="compare runs' eval and reward curves: one PNG and one table")
     p_cmp.add_argument("run", nargs="+", help="run names under the runs' directory, or run directories")
     p_cmp.add_argument("--out", default=None, help="where compare.png and compare.md go (default DIR/compare)")
-    for p in (p_runs, p_cmp):
+    p_dash = sub.add_parser("dashboard", help="serve a finished run's dashboard, read-only, from its files")
+    p_dash.add_argument("run", help="a run name under the runs' directory, or a run directory")
+    p_dash.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
+    p_dash.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    p_dash.add_argument("--run-config", default=None,
+                        help="the run's config file, for a run directory without config.json (older runs)")
+    for p in (p_runs, p_cmp, p_dash):
         p.add_argument("--dir", default=None, help=where)
         p.add_argument("--config", default=None, help="a run config: its run.output_dir is the runs' directory")
+
+
+def dashboard_command(args: argparse.Namespace) -> int:
+    """``tandem dashboard RUN``: becomes the coordinator's read-only dashboard process for the run's directory
+    (services/coordinator/dashboard/finished.py; services do not import each other)."""
+    from services.contracts.config import ConfigError, load_config
+
+    try:
+        output_dir = Path(args.dir or (load_config(args.config).run.output_dir if args.config else "runs"))
+        run = resolve(args.run, output_dir)
+    except (ConfigError, ValueError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    argv = [sys.executable, "-m", "services.coordinator.dashboard", str(run.path), "--port", str(args.port),
+            "--host", args.host] + (["--run-config", args.run_config] if args.run_config else [])
+    os.execv(sys.executable, argv)
+    return 0  # not reached
 
 
 def run_command(args: argparse.Namespace) -> int:

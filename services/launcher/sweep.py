@@ -30,26 +30,13 @@ from typing import Any
 
 import yaml
 
-from services.contracts.config import ConfigError, TandemConfig, parse_config, yaml_load
+from services.contracts.config import ConfigError, parse_config, yaml_load
 from services.launcher.processes import LOST_EPISODES
+from services.launcher.sweep_report import SubRun, write_report
 
 SETUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_:-]+)*$")
 SEED_STRIDE = 1000
-
-
-@dataclass
-class SubRun:
-    setup: str
-    seed: int
-    name: str
-    config_path: Path
-    data: dict[str, Any]
-    cfg: TandemConfig
-
-    @property
-    def run_dir(self) -> Path:
-        return self.cfg.run_dir()
 
 
 @dataclass
@@ -234,8 +221,6 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
 
 def sweep_command(args: argparse.Namespace) -> int:
     """Plan (every key checked), run each sub-run in turn, write the report; 2 for a bad argument."""
-    from services.launcher.sweep_report import write_report
-
     try:
         sets = [parse_assignment(s) for s in args.set]
         setups = [parse_setup(s) for s in args.setup]

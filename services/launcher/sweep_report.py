@@ -15,15 +15,29 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from services.contracts.config import TandemConfig
 from services.launcher.runs import read_json
 
-if TYPE_CHECKING:
-    from services.launcher.sweep import SubRun
-
 ILLEGAL_KEYS = ("illegal_rate", "illegal_move_rate", "format_failure_rate", "invalid_rate")
+
+
+@dataclass
+class SubRun:
+    """One sub-run of a sweep: its set-up, seed, run name, written config and parsed config."""
+    setup: str
+    seed: int
+    name: str
+    config_path: Path
+    data: dict[str, Any]
+    cfg: TandemConfig
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir()
 
 
 def mean_se(xs: list[float]) -> tuple[float | None, float | None, int]:

@@ -84,7 +84,7 @@ async def collect(cfg: TandemConfig, checkpoints: dict[str, str], episodes: int,
     try:
         for start in range(0, episodes, CONCURRENT):
             batch = await asyncio.gather(*(play_episode(
-                env_cls(cfg.environment.params, seed), f"collect-{start + i}", f"collect-{start + i}", roles,
+                env_cls(cfg.environment.env_params(), seed), f"collect-{start + i}", f"collect-{start + i}", roles,
                 tokenizers, sampling, local.generate, "train", random.Random(seed), context)
                 for i, seed in enumerate(seeds[start:start + CONCURRENT])))
             lines = []

@@ -2,7 +2,9 @@
 
 Each role played by a model keeps a token-exact view: user turns rendered with that player's
 tokenizer and chat template (loss mask 0), and the generated ids exactly as the engine returned
-them (loss mask 1, with their rollout logprobs and weight version). A role may be played by an
+them (loss mask 1, with their rollout logprobs), each generation recorded as a ``Turn`` (its span, weight
+version, reply and what the role earned from it: ``Sample.turns`` and ``turn_rewards`` come from these
+records). ``trains`` is the one rule of which views become samples. A role may be played by an
 agent (its rollout's engines), by one of the environment's scripted players, or by fixed
 weights run in-process (a ``Local`` player: opponent-pool versions, ``tandem eval``); ``generate``
 routes each model player's request. Per-turn rewards, when an environment gives them, are added
@@ -15,11 +17,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams, turn_spans
+from services.contracts.messages import GenerateReply, GenerateRequest, Sample, SamplingParams, TurnSpan
 from services.contracts.players import AgentPlayer, Player, Pool, Scripted
 from services.envs.base import Environment
 from services.envs.render import ChatRenderer
@@ -32,35 +34,101 @@ Generate = Callable[[Player, GenerateRequest], Awaitable[GenerateReply]]
 
 
 @dataclass
+class Turn:
+    """One generation of a view: its tokens ``[start, end)`` (loss mask 1; ``start == end`` when it generated
+    none), the reply that made them and what the role earned from it until its next generation."""
+
+    start: int
+    end: int
+    weight_version: int
+    reply_id: str
+    engine: str
+    turn: int = 0         # the episode's turn it belongs to (a turn with tool calls has one Turn per generation)
+    reward: float = 0.0   # the environment's per-turn rewards to the role from this generation until its next
+
+    @property
+    def generated(self) -> bool:
+        return self.end > self.start
+
+
+@dataclass
 class View:
-    """One role's token-exact view: what a Sample is built from."""
+    """One role's token-exact view: what a Sample is built from. ``turns`` records each generation (in order);
+    ``reward_before`` the per-turn rewards the role got before its first generated token."""
 
     player: Player
     role: str
     tokens: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-    engines: list[str] = field(default_factory=list)
-    reply_ids: list[str] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward_before: float = 0.0
 
     @property
     def agent(self) -> str:
         """The player as the records name it (an agent's name for an agent)."""
         return str(self.player)
 
+    @property
+    def generated(self) -> list[Turn]:
+        """The generations that produced tokens: a Sample's turns (one that produced none is no turn)."""
+        return [t for t in self.turns if t.generated]
+
+    @property
+    def weight_versions(self) -> list[int]:
+        """Per generation (a tokenless one too), the weight version that answered it."""
+        return [t.weight_version for t in self.turns]
+
     def add_context(self, ids: list[int]) -> None:
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
         self.rollout_logprobs += [0.0] * len(ids)
 
-    def add_reply(self, reply: GenerateReply) -> None:
+    def add_reply(self, reply: GenerateReply, turn: int = 0) -> Turn:
+        start = len(self.tokens)
         self.tokens += reply.output_ids
         self.loss_mask += [1] * len(reply.output_ids)
         self.rollout_logprobs += reply.output_logprobs
-        self.weight_versions.append(reply.weight_version)
-        self.engines.append(reply.engine)
-        self.reply_ids.append(reply.id)
+        self.turns.append(Turn(start, len(self.tokens), reply.weight_version, reply.id, reply.engine, turn))
+        return self.turns[-1]
+
+    def earn(self, reward: float) -> None:
+        """A per-turn reward to this role: its last generated turn's (before any, ``reward_before``)."""
+        generated = self.generated
+        if generated:
+            generated[-1].reward += reward
+        else:
+            self.reward_before += reward
+
+
+def turn_credit(view: View, total: float) -> list[float]:
+    """What each of the view's generated turns earned (``Sample.turn_rewards``): the per-turn rewards the role
+    got from that turn until its next one (those before its first turn go to the first), the final reward (the
+    rest of ``total``) to the last. A generation with no token is no turn: its rewards go to the one before; a
+    turn with tool calls is one turn per generation (``View.earn`` keeps them on the records as play goes)."""
+    credit = [t.reward for t in view.generated]
+    if not credit:
+        return []
+    credit[0] += view.reward_before
+    credit[-1] += total - sum(credit)
+    return credit
+
+
+def trains(view: View, agents: Collection[str]) -> bool:
+    """Whether ``view`` becomes a Sample: played by one of ``agents`` (an ``AgentPlayer``: a frozen or
+    in-process player is never trained on) and generated at least one token. The one rule the episode's
+    samples and the group's counts (``group_samples``) both follow."""
+    return isinstance(view.player, AgentPlayer) and view.player.agent in agents and bool(view.generated)
+
+
+def group_samples(results: Iterable[EpisodeResult], agents: Collection[str]) -> dict[str, int]:
+    """Per agent of ``agents``, its samples in a group played as ``results`` (``Sample.group_samples``)."""
+    counts = dict.fromkeys(agents, 0)
+    for result in results:
+        for view in result.views.values():
+            if trains(view, agents):
+                counts[view.agent] += 1
+    return counts
 
 
 @dataclass
@@ -76,21 +144,20 @@ class EpisodeResult:
     chats: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # per model role, its chat as messages
 
     def samples(self, group_samples: dict[str, int]) -> list[Sample]:
-        """One Sample per view of an agent in ``group_samples`` (agent -> its samples in the whole group, the
-        ``Sample.group_samples`` the buffer completes the group at) that generated something."""
+        """One Sample per view that ``trains`` for an agent of ``group_samples`` (agent -> its samples in the
+        whole group, the ``Sample.group_samples`` the buffer completes the group at)."""
         out = []
         for role, view in self.views.items():
-            if (not isinstance(view.player, AgentPlayer) or view.player.agent not in group_samples
-                    or not any(view.loss_mask)):
-                continue  # a frozen or in-process player: not trained
-            agent, reward = view.player.agent, self.rewards.get(role, 0.0)
-            credit = turn_credit(self.transcript, role, reward)
+            if not trains(view, group_samples):
+                continue
+            agent, reward, turns = view.agent, self.rewards.get(role, 0.0), view.generated
             out.append(Sample(
                 agent=agent, role=role, episode_id=self.episode_id, group_id=self.group_id,
                 group_samples=group_samples[agent], tokens=view.tokens, loss_mask=view.loss_mask,
                 rollout_logprobs=view.rollout_logprobs, reward=reward,
-                weight_versions=view.weight_versions, engines=view.engines, reply_ids=view.reply_ids,
-                turn_rewards=credit if len(credit) == len(turn_spans(view.loss_mask)) else [],
+                turns=[TurnSpan(start=t.start, end=t.end) for t in turns],
+                weight_versions=[t.weight_version for t in turns], engines=[t.engine for t in turns],
+                reply_ids=[t.reply_id for t in turns], turn_rewards=turn_credit(view, reward),
                 malformed_turns=self.replies(role)[1],
             ))
         return out
@@ -167,7 +234,7 @@ class _Episode:
             agent=str(player), episode_id=self.episode_id, group_id=self.group_id, turn=turn, role=role,
             input_ids=list(view.tokens), sampling=params, reply_stream="", purpose=self.purpose)
         reply = await self.generate(player, request)
-        view.add_reply(reply)
+        view.add_reply(reply, turn)
         entry.update(weight_version=reply.weight_version, finish_reason=reply.finish_reason,
                      tokens=entry.get("tokens", 0) + len(reply.output_ids), generations=call + 1)
         return reply
@@ -238,6 +305,8 @@ async def _play(ep: _Episode, rng: random.Random) -> EpisodeResult:
         result = await env.step(role, text)
         for r, v in result.turn_rewards.items():
             turn_rewards[r] = turn_rewards.get(r, 0.0) + v
+            if r in ep.views:
+                ep.views[r].earn(float(v))
         entry.update(text=text, turn_rewards=result.turn_rewards)
         failure = format_failure(result.info)
         if failure is not None:
@@ -251,27 +320,6 @@ async def _play(ep: _Episode, rng: random.Random) -> EpisodeResult:
     chats = {r: renderer.conversation() for r, renderer in ep.renderers.items()}
     return EpisodeResult(episode_id, ep.group_id, dict(roles), rewards, transcript, ep.views, summary, ep.purpose,
                          chats)
-
-
-def turn_credit(transcript: list[dict[str, Any]], role: str, total: float) -> list[float]:
-    """What each of ``role``'s generated turns earned (``Sample.turn_rewards``): the per-turn rewards the role
-    got from that turn until its next one (those before its first turn go to the first), the final reward (the
-    rest of ``total``) to the last. A turn that generated no token is no turn: its rewards go to the one before."""
-    credit: list[float] = []
-    before = 0.0
-    for entry in transcript:
-        if entry.get("role") == role and entry.get("tokens"):
-            credit.extend([0.0] * entry.get("generations", 1))  # a turn with tool calls: one span per generation
-        got = float((entry.get("turn_rewards") or {}).get(role, 0.0))
-        if credit:
-            credit[-1] += got
-        else:
-            before += got
-    if not credit:
-        return []
-    credit[0] += before
-    credit[-1] += total - sum(credit)
-    return credit
 
 
 def tool_limits(env: Environment) -> Limits:

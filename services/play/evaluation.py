@@ -60,7 +60,7 @@ async def play_eval(env_cls: type[Environment], env_cfg: EnvironmentConfig, play
     """Play ``episodes`` seeded episodes at once, without reward shaping (``unshaped``); return (the player's
     role, result) of those that finished."""
     others = opponents_for(env_cls, env_cfg, opponent)
-    params = env_cls.evaluation_params(unshaped(env_cls.Params, env_cfg.params))
+    params = env_cls.evaluation_params(unshaped(env_cls.Params, env_cfg.env_params()))
     jobs = []
     for i in range(episodes):
         seed = EVAL_SEED + 1000 * i

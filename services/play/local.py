@@ -37,14 +37,16 @@ def tokenizer(model_path: str) -> Any:
 
 
 async def generate_on(engine: Engine, req: GenerateRequest, label: str,
-                      weight_version: int | None = None) -> GenerateReply:
-    """Run ``req`` on an in-process engine; ``weight_version`` overrides the engine's (a fixed -1)."""
+                      weight_version: int | None = None, lora: str | None = None) -> GenerateReply:
+    """Run ``req`` on an in-process engine (under its loaded adapter ``lora``, when given); ``weight_version``
+    overrides the engine's (a fixed -1)."""
     from services.inference.generator import GenRequest  # imported with the engine already
 
     sp = req.sampling
     done = await engine.generate(GenRequest(
         rid=req.id, input_ids=list(req.input_ids), temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-        max_new_tokens=sp.max_new_tokens, stop_token_ids=frozenset(sp.stop_token_ids), seed=sp.seed))
+        max_new_tokens=sp.max_new_tokens, stop_token_ids=frozenset(sp.stop_token_ids), seed=sp.seed,
+        lora=lora))
     finish = (done.finish or {}).get("type", "abort")
     if finish == "abort":
         raise RuntimeError(f"generation failed: {(done.finish or {}).get('message')}")

@@ -30,6 +30,8 @@ class ServeConfig(BaseModel):
     data_dir: Path = Field(Path("runs/tinker"), description="checkpoints, sampler snapshots, embedded Redis")
     api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values; empty = open on "
                                                                   "loopback, a generated key beyond it")
+    jwt_auth: bool = Field(True, description="the SDK trades its key for a JWT minted here (/api/v1/auth/token), "
+                                             "which RestClient.whoami reads; off = plain API keys")
     open_beyond_loopback: bool = Field(False, description="serve a non-loopback address without API keys")
     base_models: list[str] = Field(default_factory=list, description="listed in capabilities (any local "
                                                                       "model directory is served)")

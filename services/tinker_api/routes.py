@@ -76,7 +76,7 @@ def service_routes(cfg: ServeConfig, svc: Svc) -> APIRouter:
 
     @r.post("/api/v1/client/config")
     async def client_config() -> dict[str, Any]:
-        return CLIENT_CONFIG
+        return {**CLIENT_CONFIG, "pjwt_auth_enabled": cfg.jwt_auth}
 
     @r.post("/api/v1/client/dynamic_config")
     async def client_dynamic_config() -> dict[str, Any]:

@@ -5,8 +5,9 @@ bad late one are pushed alike. With per-turn credit each generated turn k of a s
 from its return-to-go G_k (``Sample.turn_rewards`` from turn k on, discounted by ``algorithm.gamma`` per turn;
 with gamma 1, G_0 is the sample's reward), against the
 samples of its group that also reached a turn k: (G_k - their mean) [/ their std]. A sample without
-``turn_rewards`` counts as one turn (all its tokens get G_0's advantage, exactly the episode credit's). The
-per-token tensor lines up with ``services.training.step.pad_batch``'s shifted mask (token p at index p - 1).
+``turn_rewards`` counts as one turn (all its tokens get G_0's advantage, exactly the episode credit's). A
+turn's tokens are ``Sample.spans`` (its ``turns``, or its mask's runs of 1s). The per-token tensor lines up
+with ``services.training.step.pad_batch``'s shifted mask (token p at index p - 1).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from services.contracts.messages import Sample, turn_spans
+from services.contracts.messages import Sample
 
 
 def turn_returns(sample: Sample, gamma: float = 1.0) -> list[float]:
@@ -60,7 +61,7 @@ def token_advantages(samples: list[Sample], per_turn: list[list[float]]) -> torc
     """[N, longest - 1]: each turn's advantage on its tokens (shifted by one, as the loss mask), 0 elsewhere."""
     out = torch.zeros(len(samples), max(max(len(s.tokens) for s in samples) - 1, 0))
     for i, (s, advs) in enumerate(zip(samples, per_turn, strict=True)):
-        spans = turn_spans(s.loss_mask)
+        spans = s.spans
         if len(advs) == 1:  # no turn rewards: the episode's one advantage on every turn
             advs = advs * len(spans)
         for (start, end), adv in zip(spans, advs, strict=True):

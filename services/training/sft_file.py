@@ -6,9 +6,11 @@ message is the tokens an engine would have generated (its content, then the end-
 ``loss_mask`` 1 on them, and every other token (system, user and tool messages, the template's headers)
 has mask 0, so the SFT loss covers only the assistant tokens. ``train_from_file`` runs the agent's
 ``algorithm: sft`` (the trainer's own backend and step: its lr, minibatches, schedule, ``sft_min_reward``)
-over the file for ``epochs``, in steps of ``batch_size`` samples, writes the last version as an HF
+over the file for ``epochs``, in steps of ``batch_size`` samples, writes the last version as a full HF
 directory ``<out>/v#####`` (one version per step, as the trainer counts them) and reports the file's mean
-per-token NLL (temperature 1) before and after.
+per-token NLL (temperature 1) before and after. With ``lora`` it trains the adapters on the frozen base and
+the checkpoint is the base with the adapter merged in (not an adapter directory), so any stage, with or
+without ``lora`` of its own, starts from it as its ``model_path``.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class SftResult:
     start_model: str
     counts: dict[str, int]
     seconds: float
+    lora: dict[str, Any] | None = None  # the adapters trained (then merged into the checkpoint); None: every weight
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,9 +118,6 @@ def train_from_file(acfg: AgentConfig, agent: str, out_dir: Path) -> SftResult:
     spec = acfg.sft
     if spec is None:
         raise ValueError(f"agents.{agent}.sft: not set (a dataset, with algorithm.name sft)")
-    if acfg.lora is not None:
-        raise ValueError(f"agents.{agent}.lora: SFT from a file trains every weight (its checkpoint becomes a "
-                         "model_path); set lora: null")
     start = time.perf_counter()
     policy = TorchPolicy(acfg, temperature=1.0)
     context = getattr(policy.model.config, "max_position_embeddings", None)
@@ -142,10 +142,11 @@ def train_from_file(acfg: AgentConfig, agent: str, out_dir: Path) -> SftResult:
             log.info("sft %s epoch %d step %d: nll %.4f (%d samples)", agent, epoch + 1, steps,
                      metrics.get("nll", float("nan")), metrics["samples_trained"])
     after = mean_nll(policy, samples, spec.batch_size)
-    path, _ = policy.save(out_dir / f"v{policy.weight_version:05d}")
+    path = policy.save_full(out_dir / f"v{policy.weight_version:05d}")  # under LoRA: the adapter merged in
     result = SftResult(agent=agent, dataset=spec.dataset, checkpoint=str(path.resolve()),
                        weight_version=policy.weight_version, samples=len(samples), steps=steps, nll_before=before,
                        nll_after=after, start_model=acfg.model_path, counts=counts,
-                       seconds=time.perf_counter() - start)
+                       seconds=time.perf_counter() - start,
+                       lora=acfg.lora.model_dump() if acfg.lora is not None else None)
     (out_dir / "sft_report.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
     return result

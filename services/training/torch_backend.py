@@ -186,6 +186,18 @@ class TorchPolicy(TrainingStep):
         replace_dir(tmp, out_dir)
         return out_dir, weights_checksum(out_dir)
 
+    def save_full(self, out_dir: Path) -> Path:
+        """Write a full HF directory atomically, one a ``model_path`` can name: the weights (under LoRA the base
+        with the adapter folded in) and the tokenizer."""
+        if self.acfg.lora is None:
+            return self.save(out_dir)[0]
+        tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        lora().save_merged(self.model, self.tokenizer, tmp)
+        replace_dir(tmp, out_dir)
+        return out_dir
+
     # -- full training state for resume --------------------------------------------------
     def save_state(self, path: Path, version: int) -> Path:
         """Weights (adapters only under LoRA), optimizer, scheduler, RNG, version: one dir, written atomically."""

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from services.contracts.config import AlgorithmConfig
-from services.contracts.messages import Sample, turn_spans
+from services.contracts.messages import Sample
 from services.training.algorithms import Algorithm, Stats, StepPlan
 from services.training.credit import turn_advantages
 
@@ -43,7 +43,7 @@ from services.training.credit import turn_advantages
 def state_positions(sample: Sample) -> list[int]:
     """Per credited turn, the position whose hidden state is the turn's state: the token before its first
     generated token (one turn, the first, for a sample without turn rewards)."""
-    spans = turn_spans(sample.loss_mask)
+    spans = sample.spans
     return [max(start, 1) - 1 for start, _ in spans[:max(len(sample.turn_rewards), 1)]]
 
 

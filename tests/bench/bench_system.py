@@ -70,9 +70,10 @@ def model_dir(tmp: Path) -> Path:
 
 
 def demo_config(tmp: Path, model: Path, name: str, redis_url: str, staleness: int | None,
-                device: str = "cpu") -> Path:
-    cfg = yaml.safe_load(DEMO.read_text())
-    cfg["run"].update(name=name, total_steps=STEPS, checkpoint_root=str(tmp / "ckpt"),
+                device: str = "cpu", source: Path = DEMO, steps: int = STEPS) -> Path:
+    """``source`` (the demo) shortened to ``steps`` with no evaluation, on ``model``, with its own ports and dirs."""
+    cfg = yaml.safe_load(source.read_text())
+    cfg["run"].update(name=name, total_steps=steps, checkpoint_root=str(tmp / "ckpt"),
                       output_dir=str(tmp / "runs"), trim_interval_s=0)
     cfg["redis_url"] = redis_url
     cfg["api"]["port"] = free_port()
@@ -103,20 +104,21 @@ def system_step_times(metrics: dict[str, Any]) -> list[float]:
     return [max(ts) for ts in zip(*per_agent, strict=False)]
 
 
-def run_up(tmp: Path, model: Path, name: str, staleness: int | None, device: str = "cpu") -> dict[str, Any]:
-    """One ``tandem up`` of the demo config: first-turn seconds, seconds per step, exit code."""
+def run_up(tmp: Path, model: Path, name: str, staleness: int | None, device: str = "cpu", source: Path = DEMO,
+           steps: int = STEPS, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+    """One ``tandem up`` of the demo config (or ``source``): first-turn seconds, seconds per step, wall seconds."""
     work = tmp / name
     work.mkdir()
     with EmbeddedRedis(data_dir=work / "redis-ext") as server:
         client = redis.Redis.from_url(server.url)
-        cfg = demo_config(work, model, name, server.url, staleness, device)
+        cfg = demo_config(work, model, name, server.url, staleness, device, source, steps)
         with open(work / "launcher.log", "wb") as log:
             started = time.monotonic()
             proc = launch_up(cfg, stdout=log)
             first_turn = None
             replies = Streams(name).replies("coordinator")  # (a pattern would match its done set too)
             try:
-                while proc.poll() is None and time.monotonic() - started < RUN_TIMEOUT_S:
+                while proc.poll() is None and time.monotonic() - started < timeout_s:
                     if first_turn is None and client.xlen(replies):
                         first_turn = time.monotonic() - started
                     time.sleep(0.05)

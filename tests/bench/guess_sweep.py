@@ -42,7 +42,7 @@ from services.contracts.players import AgentPlayer, Player  # noqa: E402
 from services.demo.language import GUESS_PARAMS, MAX_NEW_TOKENS, eval_guesser, guess_stats  # noqa: E402
 from services.envs.guess_number import GuessNumber  # noqa: E402
 from services.inference.generator import Engine  # noqa: E402
-from services.play.episode import EpisodeResult  # noqa: E402
+from services.play.episode import EpisodeResult, group_samples  # noqa: E402
 from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
 from tests.bench.rl_sweep import run_seeds, sweep_parser, timed_eval  # noqa: E402
@@ -81,8 +81,8 @@ def build_samples(results: list[tuple[str, EpisodeResult]]) -> list[Sample]:
         groups.setdefault(gid, []).append(r)
     out = []
     for done in groups.values():
-        count = sum(1 for r in done for v in r.views.values() if any(v.loss_mask))
-        out += [s for r in done for s in r.samples({AGENT: count})]
+        counts = group_samples(done, {AGENT})
+        out += [s for r in done for s in r.samples(counts)]
     return out
 
 

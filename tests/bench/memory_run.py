@@ -1,7 +1,7 @@
 """Redis memory over a long run (issue 12, docs/architecture.md §10): is the run's state bounded?
 
 Runs the two-agent tic-tac-toe run with every service as a real process (``start_services``, as
-tests/test_restart_e2e.py does) on a fresh tiny model and the smallest settings (``--group-size`` episodes a
+tests/e2e/test_restart_e2e.py does) on a fresh tiny model and the smallest settings (``--group-size`` episodes a
 group, one group a batch, 4 new tokens, no evaluation), against an embedded Valkey this script owns. At each
 new training step (the slower agent's published version) it samples ``INFO memory`` ``used_memory``; every
 ``--family-every`` steps also the bytes of each key family (``MEMORY USAGE``). After the run: the slope of a

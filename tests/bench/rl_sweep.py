@@ -55,7 +55,7 @@ from services.demo.warmstart import MAX_NEW_TOKENS  # noqa: E402
 from services.envs.base import Environment  # noqa: E402
 from services.envs.tictactoe import TicTacToe  # noqa: E402
 from services.inference.generator import Engine  # noqa: E402
-from services.play.episode import EpisodeResult, group_scripted_rng  # noqa: E402
+from services.play.episode import EpisodeResult, group_samples, group_scripted_rng  # noqa: E402
 from services.play.evaluation import mean_se, play_eval, score  # noqa: E402
 from services.play.local import EnginePlayers  # noqa: E402
 from services.training.torch_backend import TorchPolicy  # noqa: E402
@@ -127,8 +127,7 @@ def build_samples(results: list[tuple[str, EpisodeResult]]) -> dict[str, list[Sa
     for gid, r in results:
         groups.setdefault(gid, []).append(r)
     for done in groups.values():
-        counts = {a: sum(1 for r in done for v in r.views.values() if v.agent == a and any(v.loss_mask))
-                  for a in AGENTS}
+        counts = group_samples(done, AGENTS)
         for r in done:
             for sample in r.samples(counts):
                 out[sample.agent].append(sample)

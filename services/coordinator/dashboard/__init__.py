@@ -7,7 +7,9 @@ the run through the control API's ``POST /v1/{pause,resume,stop,checkpoint,eval}
 bearer token typed into the page. When ``api.token`` is configured the page sends that token with
 its reads too: only the page, its assets and ``/v1/dashboard/info`` (which says a token is needed)
 are open. What it reads is a ``DashboardSource`` (routes.py): the config, the environment, the run
-state, the episodes and the players' tokenizers, not the coordinator.
+state, the episodes and the players' tokenizers, not the coordinator. A finished run's page is served
+read-only from its files by ``python -m services.coordinator.dashboard RUN_DIR`` (finished.py;
+``tandem dashboard RUN``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ class EpisodeSource(Protocol):
 
     async def tokens(self, episode_id: str) -> dict[str, Any] | None: ...
 
+    async def archived(self, keep: Callable[[dict[str, Any]], bool], offset: int, limit: int
+                       ) -> tuple[int, list[dict[str, Any]]]: ...
+
 
 @dataclass(frozen=True)
 class DashboardSource:
@@ -69,7 +72,7 @@ async def episode_record(episodes: EpisodeSource, episode_id: str) -> dict[str, 
 
 def create_routes(router: FastAPI, source: DashboardSource, index: Path, guard: list[Any]) -> None:
     """The page and ``/v1/dashboard/info`` (open), the data routes (behind ``guard``)."""
-    env_cls, state, kept = source.env_cls, source.state, source.episodes
+    state = source.state
 
     @router.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -77,31 +80,48 @@ def create_routes(router: FastAPI, source: DashboardSource, index: Path, guard: 
 
     @router.get("/v1/dashboard/info")
     async def info() -> dict[str, Any]:
-        cfg = source.cfg
-        return {"run": cfg.run.name, "environment": cfg.environment.name, "roles": cfg.environment.roles,
-                "env_roles": list(env_cls.roles), "agents": {a: {"train": c.train} for a, c in cfg.agents.items()},
-                "total_steps": cfg.run.total_steps, "token_required": bool(cfg.api.token),
-                "started_at": state.started_at}
+        return run_info(source.cfg, source.env_cls) | {"started_at": state.started_at, "read_only": False}
 
     @router.get("/v1/dashboard/pipeline", dependencies=guard, responses=responses(401))
     async def pipeline() -> dict[str, Any]:
         return {"gates": {a: gate(s) for a, s in state.agents.items()},
                 "services": await services(source.bus, source.reply_stream, source.cfg.agents, state.agents)}
 
+    episode_routes(router, source.cfg, source.env_cls, source.episodes, source.tokenizer_for, guard)
+
+
+def run_info(cfg: TandemConfig, env_cls: type[Environment]) -> dict[str, Any]:
+    """What ``/v1/dashboard/info`` says of the run's config."""
+    return {"run": cfg.run.name, "environment": cfg.environment.name, "roles": cfg.environment.roles,
+            "env_roles": list(env_cls.roles), "agents": {a: {"train": c.train} for a, c in cfg.agents.items()},
+            "total_steps": cfg.run.total_steps, "token_required": bool(cfg.api.token)}
+
+
+def episode_routes(router: FastAPI, cfg: TandemConfig, env_cls: type[Environment], kept: EpisodeSource,
+                   tokenizer_for: Callable[[Player], Any], guard: list[Any]) -> None:
+    """The transcript browser's routes: the episode list (recent or archived), one episode, its tokens."""
+
     @router.get("/v1/dashboard/episodes", dependencies=guard, responses=responses(401, 422))
     async def episodes(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
                        agent: str | None = Query(None, max_length=200),
                        role: str | None = Query(None, max_length=200),
                        purpose: Literal["train", "eval"] | None = None,
-                       min_reward: float | None = None, max_reward: float | None = None) -> dict[str, Any]:
+                       min_reward: float | None = None, max_reward: float | None = None,
+                       source: Literal["recent", "archive"] = "recent") -> dict[str, Any]:
         _finite("min_reward", min_reward)
         _finite("max_reward", max_reward)
         if role and role not in env_cls.roles:
-            raise HTTPException(422, f"role {role!r} is not a role of {source.cfg.environment.name} "
+            raise HTTPException(422, f"role {role!r} is not a role of {cfg.environment.name} "
                                      f"({', '.join(env_cls.roles)})")
-        recs = [r for r in reversed(list(kept.recent.values()))
-                if matches(r, agent or None, role or None, purpose, min_reward, max_reward)]
-        return {"total": len(recs), "episodes": [brief(r) for r in recs[offset: offset + limit]]}
+
+        def keep(r: dict[str, Any]) -> bool:
+            return matches(r, agent or None, role or None, purpose, min_reward, max_reward)
+
+        if source == "archive":
+            total, page = await kept.archived(keep, offset, limit)
+            return {"total": total, "source": source, "episodes": [brief(r) for r in page]}
+        recs = [r for r in reversed(list(kept.recent.values())) if keep(r)]
+        return {"total": len(recs), "source": source, "episodes": [brief(r) for r in recs[offset: offset + limit]]}
 
     @router.get("/v1/dashboard/episodes/{episode_id}", dependencies=guard, responses=responses(401, 404))
     async def episode(episode_id: str) -> dict[str, Any]:
@@ -116,4 +136,4 @@ def create_routes(router: FastAPI, source: DashboardSource, index: Path, guard: 
         if data is None:
             raise HTTPException(404, f"the tokens of episode {episode_id!r} are no longer kept (or it had no "
                                      "model turn)")
-        return await asyncio.to_thread(decode_tokens, data, source.tokenizer_for)
+        return await asyncio.to_thread(decode_tokens, data, tokenizer_for)

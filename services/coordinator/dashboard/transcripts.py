@@ -23,30 +23,25 @@ def tokens_key(run_key: Any, episode_id: str) -> str:
     return str(run_key(f"dashboard:tokens:{episode_id}"))
 
 
-def reply_tokens(transcript: list[dict[str, Any]], views: dict[str, Any]) -> dict[str, Any]:
-    """Per role, each model reply's ids, logprobs and weight version, in turn order.
-
-    A view's loss-mask-1 positions are its replies laid end to end; the transcript gives each reply's
-    length (``tokens``), so the spans are cut back apart in order."""
+def reply_tokens(views: dict[str, Any]) -> dict[str, Any]:
+    """Per role, each model reply's ids, logprobs and weight version, in turn order: the view's ``Turn`` records
+    of that turn laid end to end (a turn with tool calls has several; the version is the last one's)."""
     out: dict[str, Any] = {}
     for role, view in views.items():
-        positions = [i for i, m in enumerate(view.loss_mask) if m]
-        turns, at = [], 0
-        for entry in transcript:
-            if entry.get("role") != role or "tokens" not in entry:
-                continue
-            span = positions[at: at + int(entry["tokens"])]
-            at += len(span)
-            turns.append({"turn": entry.get("turn"), "weight_version": entry.get("weight_version"),
-                          "ids": [view.tokens[i] for i in span],
-                          "logprobs": [round(float(view.rollout_logprobs[i]), 5) for i in span]})
+        turns: list[dict[str, Any]] = []
+        for t in view.turns:
+            if not turns or turns[-1]["turn"] != t.turn:
+                turns.append({"turn": t.turn, "weight_version": t.weight_version, "ids": [], "logprobs": []})
+            turns[-1]["weight_version"] = t.weight_version
+            turns[-1]["ids"] += view.tokens[t.start:t.end]
+            turns[-1]["logprobs"] += [round(float(x), 5) for x in view.rollout_logprobs[t.start:t.end]]
         out[role] = {"agent": str(view.player), "player": dict(view.player), "turns": turns}
     return out
 
 
 async def save_tokens(bus: Any, result: Any, ttl_s: int = TOKENS_TTL_S) -> None:
     """Keep an episode's reply tokens for the dashboard (``result`` is the coordinator's EpisodeResult)."""
-    data = reply_tokens(result.transcript, result.views)
+    data = reply_tokens(result.views)
     if data:
         await bus.redis.set(tokens_key(bus.streams.key, result.episode_id), json.dumps(data, separators=(",", ":")),
                             ex=ttl_s)

@@ -2,7 +2,7 @@
 "use strict";
 
 const POLL_MS = 2000;
-const App = {info: null, xAxis: "step", transcriptsEvery: 3, ticks: 0};
+const App = {info: null, xAxis: "step", transcriptsEvery: 3, ticks: 0, last: null};
 
 function token() { return document.getElementById("token").value.trim(); }
 // Every call carries the typed token: with api.token configured the API guards reads too.
@@ -47,6 +47,7 @@ function drawState(st) {
     pill(`${st.episodes} episodes`), pill(`${st.episodes_per_s.toFixed(2)} episodes/s`));
   box.dataset.paused = String(st.paused);
   box.dataset.phase = st.phase;
+  if (App.info.read_only) box.prepend(pill("finished run · read-only", "warn"));
   if (st.error) box.append(pill(st.error, "bad"));
 }
 
@@ -144,10 +145,11 @@ async function poll() {
     const [st, metrics, pipe] = await Promise.all([getJSON("/v1/status"), getJSON("/v1/metrics"),
       getJSON("/v1/dashboard/pipeline")]);
     drawState(st);
+    App.last = [metrics, st];
     TandemCharts.update(metrics, st, App.info.started_at, App.xAxis);
     drawAgents(st, pipe);
     drawServices(pipe.services);
-    if (App.ticks++ % App.transcriptsEvery === 0) await TandemTranscripts.refresh();
+    if (App.ticks++ % App.transcriptsEvery === 0) await TandemTranscripts.refresh(true);
     document.body.dataset.polls = String(App.ticks);
   } catch (err) {
     const box = document.getElementById("run-state");
@@ -167,9 +169,19 @@ async function start() {
   if (!App.info.token_required) tok.placeholder = "no token configured";
   document.querySelectorAll("button[data-cmd]").forEach(b => b.addEventListener("click", () => control(b.dataset.cmd)));
   document.getElementById("x-axis").addEventListener("change", ev => { App.xAxis = ev.target.value; poll(); });
+  const smoothing = document.getElementById("smoothing");
+  TandemCharts.smoothing = Number(smoothing.value);
+  smoothing.addEventListener("change", () => {
+    TandemCharts.smoothing = Number(smoothing.value);
+    if (App.last) TandemCharts.update(App.last[0], App.last[1], App.info.started_at, App.xAxis);
+  });
+  if (App.info.read_only) {  // a finished run (tandem dashboard RUN): nothing to control, nothing new to poll
+    document.getElementById("controls").hidden = true;
+    App.transcriptsEvery = 1e9;
+  }
   TandemTranscripts.setOptions(App.info);
   await poll();
-  setInterval(poll, POLL_MS);
+  if (!App.info.read_only) setInterval(poll, POLL_MS);
 }
 
 start();

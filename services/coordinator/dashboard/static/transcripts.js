@@ -29,12 +29,38 @@ function outcome(summary) {
   return "";
 }
 
+// What each turn earned its role: the per-turn rewards the environment gave it then, and on the role's last
+// turn the rest of its final reward (the credit the trainer gives the turn: services/play/episode.py turn_credit)
+function turnCredit(ep) {
+  const given = {}, last = {};
+  ep.turns.forEach((t, i) => {
+    for (const [r, v] of Object.entries(t.turn_rewards || {})) given[r] = (given[r] || 0) + v;
+    if (t.text !== undefined) last[t.role] = i;
+  });
+  return ep.turns.map((t, i) => {
+    let own = (t.turn_rewards || {})[t.role] || 0;
+    if (last[t.role] === i && typeof (ep.rewards || {})[t.role] === "number") own += ep.rewards[t.role] - (given[t.role] || 0);
+    const others = Object.entries(t.turn_rewards || {}).filter(([r, v]) => r !== t.role && v);
+    return [own, others];
+  });
+}
+
+function creditText([own, others]) {
+  const sign = v => (v > 0 ? "+" : "") + v.toFixed(2);
+  return [sign(own)].concat(others.map(([r, v]) => `${r} ${sign(v)}`)).join(", ");
+}
+
+const PAGE = 40;
+
 const Transcripts = {
   selected: null,
+  offset: 0,
+  shown: [],          // the ids the list shows, in order
+  hovering: false,
 
   query() {
     const form = document.getElementById("filters");
-    const q = new URLSearchParams({limit: "40"});
+    const q = new URLSearchParams({limit: String(PAGE), offset: String(this.offset)});
     for (const [k, v] of new FormData(form).entries()) if (v !== "") q.set(k, v);
     return q;
   },
@@ -43,19 +69,53 @@ const Transcripts = {
     const form = document.getElementById("filters");
     for (const a of Object.keys(info.agents)) form.agent.append(el("option", {value: a}, a));
     for (const r of info.env_roles) form.role.append(el("option", {value: r}, r));
-    form.addEventListener("change", () => { this.refresh(); });
+    form.addEventListener("change", () => { this.offset = 0; this.refresh(); });
     form.addEventListener("submit", ev => { ev.preventDefault(); this.refresh(); });
+    document.getElementById("episodes-refresh").addEventListener("click", () => { this.offset = 0; this.refresh(); });
+    const list = document.querySelector("#transcripts .list");
+    list.addEventListener("mouseenter", () => { this.hovering = true; });
+    list.addEventListener("mouseleave", () => { this.hovering = false; });
+    const pager = el("div", {class: "pager"},
+      el("button", {type: "button", id: "page-newer", onclick: () => this.page(-PAGE)}, "◀ newer"),
+      el("span", {id: "page-at"}), el("button", {type: "button", id: "page-older", onclick: () => this.page(PAGE)}, "older ▶"));
+    list.before(pager);
   },
 
-  async refresh() {
-    const r = await fetch("/v1/dashboard/episodes?" + this.query(), {headers: auth()});
-    const body = document.querySelector("#episodes tbody");
+  page(delta) { this.offset = Math.max(0, this.offset + delta); this.refresh(); },
+
+  // auto: the poll's refresh. The list stays as it is while an episode is open, the pointer is over it, a
+  // later page or the archive is shown: newer episodes are announced (a button), not slid in under the cursor.
+  async refresh(auto = false) {
+    const q = this.query();
+    const frozen = auto && (this.selected !== null || this.hovering || this.offset > 0 || q.get("source") === "archive");
+    if (frozen && q.get("source") === "archive") return;
+    const r = await fetch("/v1/dashboard/episodes?" + q, {headers: auth()});
     if (!r.ok) {
       document.getElementById("episode-count").textContent = `filter refused: ${(await r.json()).detail}`;
       return;
     }
     const data = await r.json();
-    document.getElementById("episode-count").textContent = `${data.total} episodes match (newest first)`;
+    const ids = data.episodes.map(e => e.id);
+    const newer = this.shown.length ? ids.indexOf(this.shown[0]) : 0;
+    if (frozen && this.shown.length) {
+      const button = document.getElementById("episodes-refresh");
+      button.hidden = newer === 0;
+      button.textContent = newer > 0 ? `show ${newer} newer episode(s)` : "show newer episodes";
+      return;
+    }
+    document.getElementById("episodes-refresh").hidden = true;
+    this.draw(data);
+  },
+
+  draw(data) {
+    const body = document.querySelector("#episodes tbody");
+    const source = data.source === "archive" ? "archived" : "recent";
+    const last = Math.min(this.offset + data.episodes.length, data.total);
+    document.getElementById("episode-count").textContent = `${data.total} ${source} episodes match (newest first)`;
+    document.getElementById("page-at").textContent = data.total ? `${this.offset + 1}–${last} of ${data.total}` : "";
+    document.getElementById("page-newer").disabled = this.offset === 0;
+    document.getElementById("page-older").disabled = last >= data.total;
+    this.shown = data.episodes.map(e => e.id);
     body.replaceChildren(...data.episodes.map(e => el("tr", {
       "data-episode": e.id, class: e.id === this.selected ? "selected" : "",
       onclick: () => this.open(e.id)},
@@ -82,11 +142,14 @@ const Transcripts = {
       if (ep.board.format === "html") b.innerHTML = ep.board.content; else b.append(el("pre", {}, ep.board.content));
       parts.push(b);
     }
-    const rows = ep.turns.map(t => el("tr", {class: "turn", "data-turn": t.turn, "data-role": t.role},
+    const credit = turnCredit(ep);
+    const rows = ep.turns.map((t, i) => el("tr", {class: "turn", "data-turn": t.turn, "data-role": t.role},
       el("td", {}, t.turn), el("td", {}, t.role), el("td", {}, t.agent),
       el("td", {class: "mono text"}, t.text ?? (t.truncated ? "(context full: episode truncated)" : "")),
       el("td", {}, fmt(t.weight_version)), el("td", {}, fmt(t.tokens)),
-      el("td", {}, rewardsText(t.turn_rewards)), el("td", {class: "tok", "data-role": t.role, "data-turn": t.turn})));
+      el("td", {class: "credit", title: "what this turn earned its role: the environment's reward for the turn, " +
+        "plus the rest of the final reward on the role's last turn"}, t.text === undefined ? "-" : creditText(credit[i])),
+      el("td", {class: "tok", "data-role": t.role, "data-turn": t.turn})));
     parts.push(el("table", {class: "grid turns"},
       el("thead", {}, el("tr", {}, ...["turn", "role", "player", "text", "weights", "tokens", "turn reward", ""]
         .map(h => el("th", {}, h)))), el("tbody", {}, ...rows)));

@@ -1,0 +1,1 @@
+"""Tests that start a real Redis, engine, router, HTTP server or child process."""
