@@ -25,8 +25,8 @@ from services.contracts.messages import GenerateReply, GenerateRequest, Sampling
 from services.rollout.adapters import read_kept
 from services.rollout.service import RolloutService
 from tests.helpers import ADMIN_TOKEN
-from tests.test_adapter_sync import merged_logprobs
-from tests.test_lora_adapters import LORA, batch, trained
+from tests.integration.test_adapter_sync import merged_logprobs
+from tests.unit.test_lora_adapters import LORA, batch, trained
 
 PROMPT = [5, 6, 7, 8]
 

@@ -27,7 +27,7 @@ from tests.helpers import launch_up, wait_until
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 4
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fleet_processes(launcher: psutil.Process) -> dict[str, list[psutil.Process]]:
