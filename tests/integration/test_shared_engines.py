@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_commit import commit_weights
+from tests.trainer_commit import commit_weights
 
 from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.bus import Bus
