@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.trainer_commit import commit_weights
 
 from services.common.admin_token import ADMIN_TOKEN_ENV
 from services.common.bus import Bus
@@ -26,6 +25,7 @@ from services.rollout.adapters import read_kept
 from services.rollout.service import RolloutService
 from tests.helpers import ADMIN_TOKEN
 from tests.integration.test_adapter_sync import merged_logprobs
+from tests.trainer_commit import commit_weights
 from tests.unit.test_lora_adapters import LORA, batch, trained
 
 PROMPT = [5, 6, 7, 8]
