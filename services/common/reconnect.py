@@ -4,7 +4,7 @@ exponential backoff.
 A Redis that cannot persist refuses every write with ``MISCONF`` (its AOF or snapshot failed: a full or
 unwritable disk). That is a fault of the run, not of the service that met it: redis-py is told to raise it as
 ``DiskFull``, which is one of ``REDIS_DOWN``, so every service waits it out with the same backoff as a Redis
-restart (the run pauses) and goes on when Redis can write again; the launcher names the disk (launcher/up.py).
+restart (the run pauses) and goes on when Redis can write again; the launcher names the disk (launcher/disk.py).
 """
 
 from __future__ import annotations

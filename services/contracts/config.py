@@ -47,24 +47,8 @@ from services.contracts.run_parts import (  # noqa: F401 (re-exported: the confi
     PipelineConfig,
     WandbConfig,
 )
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` (no dot) as a string; configs are strict, so read it as the float it means."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                    |[-+]?\.(?:inf|Inf|INF)
-                    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+from services.contracts.sharing import sharing_problem
+from services.contracts.yaml_text import yaml_load
 
 
 class ConfigError(ValueError):
@@ -83,6 +67,9 @@ class AgentConfig(Strict):
     max_inflight_per_engine: int = Field(64, ge=1, description="generation requests the rollout keeps in flight "
                                          "per healthy engine; the rest wait on the turns stream")
     router_port: int = Field(0, ge=0, le=65535, description="the rollout's SGLang router; 0 = a free port")
+    share_engines_with: str | None = Field(None, description="run this agent's turns on the named agent's engine "
+                                           "fleet (one base, each agent's own LoRA adapters; same model_path and "
+                                           "engine, both with lora); this agent's engine fields are then unused")
     engine_base_port: int = Field(0, ge=0, le=65535, description="engine i listens on base+i; 0 = free ports")
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig, description="engine: sglang: the "
                                        "launch_server arguments of each engine")
@@ -232,6 +219,8 @@ class TandemConfig(Strict):
         if idle := [n for n, a in self.agents.items() if a.train and n not in playing]:
             raise ValueError(f"agents.{idle[0]}: trains but plays no role under environment."
                              f"{'matchups' if env.matchups else 'roles'} (set train: false or give it a role)")
+        if (shared := sharing_problem(self.agents)) is not None:
+            raise ValueError(shared)
         self._retention_keeps_what_is_read()
         return self
 

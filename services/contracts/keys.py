@@ -18,6 +18,7 @@ whose KEYS differ from the script's entry. Services still meet only through thes
 | trainer:{agent}:skipped_batches | trainer     | trainer                      | coordinator          | SkipRecord     |
 | state:{agent}:published_version | trainer     | trainer                      | coordinator, rollout | weight version |
 | state:{agent}:loaded_version    | rollout     | rollout                      | coordinator          | weight version |
+| state:{agent}:engine_adapters   | rollout     | rollout                      |                      | KeptAdapter    |
 | service_starts                  | *           | every service                | coordinator          | starts         |
 | {stream}:done:{group}           | *           | every consumer, its own      |                      | message ids    |
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from services.contracts.records import LedgerEntry, SkipRecord, TrainLogRecord, Verdict
+from services.contracts.records import KeptAdapter, LedgerEntry, SkipRecord, TrainLogRecord, Verdict
 
 ANY_SERVICE = "*"
 Mode = Literal["read", "write"]
@@ -77,6 +78,8 @@ KEYS: dict[str, SharedKey] = {k.helper: k for k in (
               ("coordinator", "rollout"), "int: the last weight version the trainer committed"),
     SharedKey("state:{agent}:loaded_version", "loaded_weight_version", "rollout", ("rollout",), ("coordinator",),
               "int: the weight version every engine of the agent loaded"),
+    SharedKey("state:{agent}:engine_adapters", "engine_adapters", "rollout", ("rollout",), (),
+              KeptAdapter),  # a sharing agent's rollout writes it, the fleet owner's rollout reads it
     SharedKey("service_starts", "key:service_starts", ANY_SERVICE, (ANY_SERVICE,), ("coordinator",),
               "hash: service name -> its starts in the run"),
     SharedKey("{stream}:done:{group}", "done_set", ANY_SERVICE, (ANY_SERVICE,), (),

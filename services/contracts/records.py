@@ -10,6 +10,8 @@
   names ``version`` (the weight version) and ``metrics.batch_step`` (the batch's weight version) are read
   and written here only; everywhere else they are ``weight_version`` and ``batch_weight_version``.
 * ``SkipRecord``: the trainer's record of a skipped (non-finite) step (``trainer:{agent}:skipped_batches``).
+* ``KeptAdapter``: one adapter version every engine serving an agent that shares another's engines must hold
+  (``state:{agent}:engine_adapters``, a JSON list): the fleet's owner loads them on a restarted engine.
 """
 
 from __future__ import annotations
@@ -162,3 +164,16 @@ class SkipRecord(BaseModel):
     @classmethod
     def parse(cls, raw: str | bytes) -> SkipRecord:
         return cls.model_validate_json(raw)
+
+
+class KeptAdapter(BaseModel):
+    """One adapter version the engines must hold: its name there (``{agent}-v{version}``), its directory, its
+    weight version and the trainer's proof (checksum and signature; empty: none), which the engine checks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    path: str
+    weight_version: int = Field(ge=1)
+    checksum: str = ""
+    signature: str = ""

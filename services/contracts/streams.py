@@ -60,6 +60,11 @@ class Streams:
         """The WeightsUpdate (JSON) last loaded on the agent's engines (the rollout resumes from it)."""
         return self.key(f"state:{agent}:loaded_weights")
 
+    def engine_adapters(self, agent: str) -> str:
+        """The adapter versions (JSON list of KeptAdapter) every engine serving the agent must hold; written by a
+        rollout that shares another agent's engines, read by that fleet's rollout to restore a restarted engine."""
+        return self.key(f"state:{agent}:engine_adapters")
+
     def published_weight_version(self, agent: str) -> str:
         """The last weight version the agent's trainer committed (held under ``published_version``, as above)."""
         return self.key(f"state:{agent}:published_version")

@@ -1,9 +1,11 @@
 """CLI: ``python -m services.engine --model-path DIR --port P [--host H] [--weight-version N] [--agent A]
 [--max-batch B] [--engine-id ID] [--admit-quiet-ms Q] [--admit-window-ms W] [--device D] [--dtype T]
-[--prefix-cache-mb M] [--step-delay-ms S] [--http H] [--loop L]`` serves the embedded engine with uvicorn
-(``auto``: httptools and uvloop where installed, else h11 and asyncio). Its admin routes need the token in
-``$TANDEM_ADMIN_TOKEN``; with ``--agent A`` it loads only versions A's trainer signed with the run's secret
-(``$TANDEM_WEIGHTS_SECRET``; the rollout's engines always get both: services/engine/server.py)."""
+[--prefix-cache-mb M] [--step-delay-ms S] [--http H] [--loop L] [--shared-with B ...]`` serves the
+embedded engine with uvicorn (``auto``: httptools and uvloop where installed, else h11 and asyncio). Its
+admin routes need the token in ``$TANDEM_ADMIN_TOKEN``; with ``--agent A`` it loads only versions A's
+trainer signed with the run's secret (``$TANDEM_WEIGHTS_SECRET``; the rollout's engines always get both:
+services/engine/server.py), and with ``--shared-with B`` also the adapters B's trainer signed (B's
+rollout shares the engine)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agent", default=None,
                         help="the agent whose trainer's signed versions alone this engine loads (with the run's "
                              "secret in $TANDEM_WEIGHTS_SECRET or $TANDEM_WEIGHTS_SECRET_FILE)")
+    parser.add_argument("--shared-with", action="append", default=[],
+                        help="an agent sharing this engine (repeatable): its signed adapters load too")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                      engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
                      admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
                      device=args.device, dtype=args.dtype, weights_secret=secret, agent=args.agent,
+                     shared_with=tuple(args.shared_with),
                      engine_options={"prefix_cache_mb": args.prefix_cache_mb,
                                      "step_delay_s": args.step_delay_ms / 1000})
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

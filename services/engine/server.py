@@ -29,8 +29,10 @@ The admin routes (``/update_weights_from_disk``, ``/load_lora_adapter``, ``/unlo
 (``admin_token``: the rollout gives it through ``$TANDEM_ADMIN_TOKEN``, services/common/admin_token.py;
 compared in constant time) and answer 401 otherwise; without a token they are closed to every caller.
 Given the run's weights secret and its agent (``weights_secret``, ``agent``), the engine loads only a version
-that agent's trainer signed, whatever token the caller holds: a load without the signature, or whose files no
-longer match it, is answered 403 and the live model is kept (``weights_auth.load_refusal``).
+that agent's trainer signed (an adapter also one of the ``shared_with`` agents' trainers signed, named after
+that agent: their rollouts share this engine), whatever token the caller holds: a load without the
+signature, or whose files no longer match it, is answered 403 and the live model is kept
+(``weights_auth.load_refusal``).
 The health, info and ``/generate`` routes stay open to the router (docs/architecture.md §2.3).
 """
 
@@ -97,7 +99,7 @@ class Unauthorized(Exception):
 def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int = 64,
                engine_id: str | None = None, admit_quiet_s: float = 0.002, admit_window_s: float = 0.02,
                admin_token: str | None = None, device: str = "cpu", dtype: str = "float32",
-               weights_secret: bytes | None = None, agent: str | None = None,
+               weights_secret: bytes | None = None, agent: str | None = None, shared_with: tuple[str, ...] = (),
                engine_options: dict[str, Any] | None = None) -> FastAPI:
     engine = Engine(model_path, weight_version=weight_version, max_batch=max_batch,
                     admit_quiet_s=admit_quiet_s, admit_window_s=admit_window_s, device=device, dtype=dtype,
@@ -114,7 +116,8 @@ def create_app(model_path: str | Path, weight_version: int = 0, max_batch: int =
     _info_routes(app, engine, str(Path(model_path).resolve()), engine_id)
     # /generate is a plain Starlette route: the hot path skips FastAPI's per-request dependency solving.
     app.router.routes.append(Route("/generate", _generate_endpoint(engine, engine_id), methods=["POST"]))
-    _admin_routes(app, engine, admin_token, (weights_secret, agent) if weights_secret and agent else None)
+    signer = (weights_secret, (agent, *shared_with)) if weights_secret and agent else None
+    _admin_routes(app, engine, admin_token, signer)
     return app
 
 
@@ -208,11 +211,18 @@ def _admin_guard(admin_token: str | None) -> Any:
     return require_admin
 
 
-def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer: tuple[bytes, str] | None) -> None:
-    """Weight loading, cache, pause/continue and abort: the admin token's routes. With ``signer`` (the run's
-    secret and this engine's agent) a load needs the trainer's signature too (``weights_auth.load_refusal``)."""
-    admin = [Depends(_admin_guard(admin_token))]
+Signer = tuple[bytes, tuple[str, ...]]  # the run's secret; this engine's agent, then the agents sharing it
 
+
+def _own(signer: Signer) -> tuple[bytes, str]:
+    """The run's secret and the engine's own agent (whose trainer alone may replace its full weights)."""
+    return signer[0], signer[1][0]
+
+
+def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer: Signer | None) -> None:
+    """Weight loading, cache, pause/continue and abort: the admin token's routes. With ``signer`` a load needs
+    the trainer's signature (``weights_auth.load_refusal``): full weights the engine's own agent's only."""
+    admin = [Depends(_admin_guard(admin_token))]
     @app.post("/update_weights_from_disk", dependencies=admin)
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body: UpdateWeightFromDiskReqInput = await _parse(request, UpdateWeightFromDiskReqInput)
@@ -223,7 +233,7 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer:
             except ValueError:
                 raise EngineError(f"weight_version must be an integer, got {body.weight_version!r}") from None
         if signer is not None and (why := await asyncio.to_thread(
-                load_refusal, *signer, version, body.model_path, WeightsProof.from_headers(request.headers))):
+                load_refusal, *_own(signer), version, body.model_path, WeightsProof.from_headers(request.headers))):
             out = UpdateWeightFromDiskReqOutput(success=False, message=f"refused: {why}")
             return JSONResponse(out.model_dump(), status_code=403)
         paused = engine.load()["num_reqs"] if engine.paused else 0
@@ -270,7 +280,7 @@ def _admin_routes(app: FastAPI, engine: Engine, admin_token: str | None, signer:
         return {"success": True, "num_aborted": engine.abort(body.rid, body.abort_all)}
 
 
-def _adapter_routes(app: FastAPI, engine: Engine, admin: list[Any], signer: tuple[bytes, str] | None) -> None:
+def _adapter_routes(app: FastAPI, engine: Engine, admin: list[Any], signer: Signer | None) -> None:
     """SGLang's ``/load_lora_adapter`` and ``/unload_lora_adapter``: 200 with ``LoRAUpdateOutput``, 400 on failure.
     With ``signer`` an adapter loads only as ``{agent}-v{version}`` of a version the agent's trainer signed (403)."""
 
@@ -301,12 +311,14 @@ def _adapter_routes(app: FastAPI, engine: Engine, admin: list[Any], signer: tupl
         return answer()
 
 
-def adapter_refusal(signer: tuple[bytes, str], body: LoadLoRAAdapterReqInput, proof: WeightsProof | None) -> str | None:
-    """Why an adapter load is refused: its name must be ``{agent}-v{version}`` and the version one the agent's
-    trainer signed (``weights_auth.load_refusal``); None to load it."""
-    secret, agent = signer
-    prefix = f"{agent}-v"
-    tail = body.lora_name[len(prefix):] if body.lora_name.startswith(prefix) else ""
-    if not tail.isdigit():
-        return f"adapter name {body.lora_name!r} is not {prefix}<version>: this engine serves agent {agent!r}"
-    return load_refusal(secret, agent, int(tail), body.lora_path, proof)
+def adapter_refusal(signer: Signer, body: LoadLoRAAdapterReqInput, proof: WeightsProof | None) -> str | None:
+    """Why an adapter load is refused: its name must be ``{agent}-v{version}`` for one of the engine's agents and
+    the version one that agent's trainer signed (``weights_auth.load_refusal``); None to load it."""
+    secret, agents = signer
+    for agent in agents:
+        tail = body.lora_name[len(f"{agent}-v"):] if body.lora_name.startswith(f"{agent}-v") else ""
+        if tail.isdigit():
+            return load_refusal(secret, agent, int(tail), body.lora_path, proof)
+    names = " or ".join(f"{a}-v<version>" for a in agents)
+    return (f"adapter name {body.lora_name!r} is not {names}: this engine serves "
+            f"agent{'s' if len(agents) > 1 else ''} {', '.join(repr(a) for a in agents)}")

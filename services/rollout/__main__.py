@@ -17,8 +17,9 @@ from services.rollout.spawn import Spawned
 
 
 def spawn_early(argv: list[str]) -> Spawned | None:
-    """The agent's engines and router, started from nothing but the config (None with ``--router``, or a
-    config or agent that does not load: the service's own checks then name the problem)."""
+    """The agent's engines and router, started from nothing but the config (None with ``--router``, for an
+    agent sharing another's engines, or a config or agent that does not load: the service's own checks then
+    name the problem)."""
     parser = argparse.ArgumentParser(add_help=False)
     for flag in ("--config", "--agent", "--router"):
         parser.add_argument(flag, default=None)
@@ -30,27 +31,34 @@ def spawn_early(argv: list[str]) -> Spawned | None:
     if secret_problem() is not None:  # the full path below names the missing secret and exits 2
         return None
     from services.contracts.config import ConfigError, load_config
+    from services.contracts.sharing import sharers
     from services.rollout.spawn import spawn_early as start
 
     try:
         cfg = load_config(known.config)
     except ConfigError:
         return None
-    if known.agent not in cfg.agents or not cfg.redis_url:
+    if known.agent not in cfg.agents or not cfg.redis_url or cfg.agents[known.agent].share_engines_with:
         return None
-    return start(cfg.agents[known.agent], known.agent)
+    return start(cfg.agents[known.agent], known.agent, shared_with=tuple(sharers(cfg.agents, known.agent)))
 
 
 async def main_async(config: str, agent: str, router_url: str | None, early: Spawned | None = None) -> int:
     from services.common.bus import Bus
     from services.common.service import load_or_exit, run_service, setup_logging, watch_control
     from services.common.weights_auth import secret_problem
-    from services.rollout.service import RolloutService
+    from services.contracts.config import ConfigError
+    from services.rollout.service import RolloutService, shared_router_url
 
     log = setup_logging(f"rollout.{agent}")
     cfg = load_or_exit(config, agent)
     if (no_secret := secret_problem()) is not None:  # it verifies what its engines load (weights_auth.py)
         log.error("%s", no_secret)
+        return 2
+    try:
+        router_url = router_url or shared_router_url(cfg, agent)  # a fleet shared with another agent: its router
+    except ConfigError as exc:
+        log.error("%s", exc)
         return 2
     bus = Bus(cfg.redis_url, cfg.run.name, f"rollout-{agent}", reconnect_window_s=cfg.run.done_ids_grace_s)
     s = bus.streams

@@ -39,9 +39,10 @@ from services.contracts.sglang_api import (
 class EngineClientError(RuntimeError):
     """The router or an engine refused a request or answered something unparseable."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, loaded: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status  # the HTTP status when the engine answered with an error
+        self.loaded = loaded or {}  # an adapter route's answer: the adapters the engine holds
 
     @property
     def request_rejected(self) -> bool:
@@ -189,10 +190,16 @@ class EngineClient:
 
     async def load_adapter(self, engine_url: str, name: str, path: str, proof: WeightsProof | None = None) -> None:
         """Load the adapter directory ``path`` into one engine as ``name`` (with the trainer's ``proof``, which the
-        engine checks); raise unless it reports success."""
+        engine checks); raise unless it reports success or that it already holds ``name`` (the rollouts sharing an
+        engine each load their agent's adapters, and its owner restores them on a restarted engine: either may
+        come first). Both engines refuse a second load of a name with a 400 saying it is "already loaded"."""
         body = LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(path))
-        await self._adapter_call(f"{engine_url.rstrip('/')}/load_lora_adapter", body.model_dump(),
-                                 proof.headers() if proof else None)
+        try:
+            await self._adapter_call(f"{engine_url.rstrip('/')}/load_lora_adapter", body.model_dump(),
+                                     proof.headers() if proof else None)
+        except EngineClientError as exc:
+            if exc.status != 400 or (name not in exc.loaded and "already loaded" not in str(exc)):
+                raise
 
     async def unload_adapter(self, engine_url: str, name: str) -> None:
         """Unload the adapter ``name`` from one engine (it waits for the requests that name it)."""
@@ -207,4 +214,5 @@ class EngineClient:
             raise EngineClientError(f"{url}: HTTP {resp.status_code}: {_error_message(resp)}",
                                     resp.status_code) from None
         if not out.success or resp.status_code != 200:
-            raise EngineClientError(f"{url}: {body['lora_name']}: {out.error_message}", resp.status_code)
+            raise EngineClientError(f"{url}: {body['lora_name']}: {out.error_message}", resp.status_code,
+                                    out.loaded_adapters)

@@ -17,7 +17,10 @@ rejoin on an older version than the rest.
 A version that is a LoRA adapter directory (the trainer's export under ``lora``) is loaded with
 ``/load_lora_adapter`` instead, on the resident base (``services/rollout/adapters.py``): ``sync`` says
 which adapters every engine holds and which one turns are generated under; a restarted engine loads the
-kept ones before it is registered.
+kept ones before it is registered. A fleet other agents share (``shared_with``: their rollouts drive its
+router as an external router) also loads the adapters they need (``shared``: their records,
+``adapters.read_kept``) on every engine it registers, before and once more after registering it (a version
+a sharing rollout records meanwhile), so a restarted engine serves every agent again.
 
 The fleet makes the run's admin token (``services/common/admin_token.py``, or takes ``$TANDEM_ADMIN_TOKEN``)
 and gives it to its engines through their environment and to the router as its API keys; every admin
@@ -30,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +44,9 @@ from services.common.latency import LatencyWindow
 from services.common.sglang_router import add_worker, remove_worker, router_command, wait_healthy
 from services.common.weights_auth import WeightsProof
 from services.contracts.config import AgentConfig
-from services.rollout.adapters import AdapterSync
+from services.rollout.adapters import AdapterSync, Served
 from services.rollout.commands import engine_command
-from services.rollout.engine_client import EngineClient
+from services.rollout.engine_client import EngineClient, EngineClientError
 from services.rollout.spawn import Proc, Spawned, plan, spawn
 
 HEALTH_POLL_S = 0.05  # how often a starting engine's /health is asked (a refused connection costs microseconds)
@@ -76,9 +80,12 @@ class ManagedEngine:
 class EngineFleet:
     def __init__(self, agent: str, acfg: AgentConfig, host: str = "127.0.0.1", interval: float = 1.0,
                  health_timeout: float = 20.0, max_failures: int = 3, start_timeout: float = 600.0,
-                 early: Spawned | None = None) -> None:
-        """``early``: the engines and router ``spawn.spawn_early`` already started (their ports and token)."""
+                 early: Spawned | None = None, shared_with: tuple[str, ...] = (),
+                 shared: Callable[[], Awaitable[list[Served]]] | None = None) -> None:
+        """``early``: the engines and router ``spawn.spawn_early`` already started (their ports and token);
+        ``shared_with``: the agents sharing these engines; ``shared``: the adapters they need on every engine."""
         self.agent, self.acfg, self.host = agent, acfg, host
+        self.shared_with, self.shared = shared_with, shared
         self.interval, self.health_timeout = interval, health_timeout
         self.max_failures, self.start_timeout = max_failures, start_timeout
         early = early or plan(acfg)
@@ -108,7 +115,8 @@ class EngineFleet:
         """Start (or, after ``spawn_early``, wait for) the engines and the router, then register the engines."""
         for e in self.engines:
             if e.proc is None:
-                e.proc = self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host))
+                e.proc = self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host,
+                                                          self.shared_with))
         if self.router is None:
             self.router = self._spawn(self._router_command())
         await asyncio.gather(*(self._boot(e) for e in self.engines))
@@ -139,7 +147,8 @@ class EngineFleet:
     async def _boot(self, e: ManagedEngine) -> None:
         """Wait for engine ``e`` (spawning it when it has no live process) to answer ``/health``."""
         if not e.alive():
-            e.proc = self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host))
+            e.proc = self._spawn(engine_command(self.acfg, self.agent, e.index, e.port, self.host,
+                                                          self.shared_with))
         assert e.proc is not None
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -156,8 +165,25 @@ class EngineFleet:
             if self.latest is not None and (e.weight_version != self.latest[1] or self.sync.missing(e.adapters)):
                 await self._apply(e, *self.latest, self.latest_proof)
                 e.weight_version = self.latest[1]
+            await self._load_shared(e)  # a RuntimeError (their record unreadable) leaves it out, to try again
             await add_worker(self.router_url, e.url, timeout=60, token=self.token)
             e.registered, e.failures = True, 0
+            try:
+                await self._load_shared(e)  # a version a sharing rollout recorded while it registered
+            except RuntimeError as exc:
+                log.warning("engine %s: %s", e.url, exc)
+
+    async def _load_shared(self, e: ManagedEngine) -> None:
+        """Load on engine ``e`` the adapters the agents sharing the fleet need and it lacks. One that fails is
+        logged: the sharing rollout's own load (or its next version) puts it there, this engine serves the rest."""
+        for s in await self.shared() if self.shared is not None else []:
+            if s.name in e.adapters:
+                continue
+            try:
+                await self._client.load_adapter(e.url, s.name, s.path, s.proof)
+                e.adapters.add(s.name)
+            except EngineClientError as exc:
+                log.warning("engine %s: could not load %s for an agent sharing it: %s", e.url, s.name, exc)
 
     async def _apply(self, e: ManagedEngine, path: str, version: int, proof: WeightsProof | None) -> None:
         """Put engine ``e`` on ``version``: an adapter (with every kept one) on its base, or full weights."""
@@ -308,6 +334,13 @@ class EngineFleet:
 
     def healthy(self) -> int:
         return sum(1 for e in self.engines if e.registered)
+
+    async def resume(self, path: str, version: int, proof: WeightsProof | None) -> None:
+        """A restarted rollout's fresh engines: put them on the version the agent had loaded."""
+        await self.load_weights(path, version, proof=proof)
+
+    async def status(self) -> list[dict[str, Any]]:
+        return self.snapshot()
 
     def recovering(self) -> bool:
         """Whether an engine is out of the router (restarting), failing its health checks, or has passed none

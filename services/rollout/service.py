@@ -1,9 +1,15 @@
 """The rollout service: one handler per stream (``on_turn``, ``on_weights``) and the load report.
 
-Without a router URL the rollout owns its engines: it starts the real SGLang router and the
-agent's ``num_engines`` engines as child processes, registers them at run time, health-checks and
-restarts them (``fleet.EngineFleet``). With a router URL it drives an externally managed router and
-loads weights on the workers that router lists.
+The rollout reaches its engines through one interface (``external.Engines``), managed in one of two ways.
+Owning (``fleet.EngineFleet``): without a router URL it starts the real SGLang router and the agent's
+``num_engines`` engines as child processes, registers them at run time, health-checks and restarts them,
+and restores the adapters of the agents that share them (``share_engines_with``) on a restarted engine.
+External (``external.ExternalRouter``): with a router URL (``--router``), or for an agent whose config
+says ``share_engines_with: A`` (then A's router, on ``agents.A.router_port``), it drives a router someone
+else manages and loads its weights on the workers that router lists. The external mode stays because the
+shared-base topology uses it in every ``tandem up`` run that shares: two agents' turns on one fleet, one
+base, each agent's own adapters, and each rollout keeps its own version gating, staleness, signatures and
+loaded-version bookkeeping.
 
 ``on_turn``: a generation request from ``turns:{agent}`` goes to the router (``/generate`` with
 input_ids, sampling_params, return_logprob; the turns of one bus read that share sampling parameters go
@@ -30,15 +36,11 @@ import logging
 import time
 from collections.abc import Awaitable
 
-import httpx
-
-from services.common.adapter_dir import is_adapter_dir
 from services.common.admin_token import token_from_env
 from services.common.bus import Bus, Reject, RetryLater
-from services.common.sglang_router import list_workers
 from services.common.tokens import ids_problem, logprobs_problem, vocab_size
 from services.common.weights_auth import WeightsProof, refusal, run_secret
-from services.contracts.config import TandemConfig
+from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.messages import (
     EngineStatus,
     GenerateReply,
@@ -47,9 +49,11 @@ from services.contracts.messages import (
     WeightsLoaded,
     WeightsUpdate,
 )
-from services.rollout.adapters import AdapterSync
+from services.contracts.sharing import fleet_owner, sharers
+from services.rollout.adapters import publish_kept, read_kept
 from services.rollout.batcher import TurnBatcher
 from services.rollout.engine_client import EngineClient, EngineClientError, GenerateResult
+from services.rollout.external import Engines, ExternalRouter
 from services.rollout.fleet import EngineFleet
 from services.rollout.limiter import InflightLimiter
 from services.rollout.spawn import Spawned
@@ -65,28 +69,35 @@ class RolloutService:
 
     def __init__(self, cfg: TandemConfig, agent: str, bus: Bus, router_url: str,
                  fleet: EngineFleet | None = None) -> None:
+        """``fleet``: the engines this rollout owns; without one it drives the router at ``router_url``."""
         self.acfg = cfg.agents[agent]
         self.agent, self.bus, self.router_url, self.fleet = agent, bus, router_url, fleet
-        self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
+        self.num_engines = cfg.agents[fleet_owner(cfg.agents, agent)].num_engines  # of the fleet its turns use
+        sharing = self.acfg.share_engines_with is not None
+        self.pool: Engines = fleet if fleet is not None else ExternalRouter(
+            agent, router_url, token_from_env(), self.num_engines, shared=sharing,
+            record=(lambda kept: publish_kept(bus.redis, bus.streams, agent, kept)) if sharing else None)
+        self.token = self.pool.token  # the run's admin token
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * self.engines())
         self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
                                    max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
-        # the adapters the engines hold (the fleet's, or for an external router's workers: ``held`` per url)
-        self.sync = fleet.sync if fleet is not None else AdapterSync(agent, self.client)
-        self.held: dict[str, set[str]] = {}
+        self.sync = self.pool.sync  # the adapter versions the engines hold, and the one turns go under
 
     @classmethod
     async def start(cls, cfg: TandemConfig, agent: str, bus: Bus, router_url: str | None,
                     early: Spawned | None = None) -> RolloutService:
         """With no ``router_url``, start the agent's router and engines (or adopt those ``early`` started) and
-        put them on the loaded version."""
+        put them on the loaded version; an agent sharing another's engines drives that agent's router."""
+        router_url = router_url or shared_router_url(cfg, agent)
         if router_url is not None:
             service = cls(cfg, agent, bus, router_url)
-            await service.resume_serving()
+            await resume_weights(bus, agent, service.pool)
             return service
-        fleet = EngineFleet(agent, cfg.agents[agent], early=early)
+        others = sharers(cfg.agents, agent)
+        fleet = EngineFleet(agent, cfg.agents[agent], early=early, shared_with=tuple(others),
+                            shared=(lambda: read_kept(bus.redis, bus.streams, others)) if others else None)
         try:
             await fleet.start()
             await resume_weights(bus, agent, fleet)
@@ -97,7 +108,7 @@ class RolloutService:
 
     @property
     def client(self) -> EngineClient:
-        """The router's client (the batcher's: turns and weight loads share one)."""
+        """The router's client for turns (the batcher's)."""
         return self.batcher.client
 
     @client.setter
@@ -106,22 +117,26 @@ class RolloutService:
 
     def engines(self) -> int:
         """How many engines take turns now: the fleet's healthy ones, or the configured number."""
-        return self.fleet.healthy() if self.fleet is not None else self.acfg.num_engines
+        return self.pool.healthy()
 
     @property
     def concurrency(self) -> int:
         """How many turns the turns stream's consumer handles at once."""
-        return self.acfg.num_engines * self.acfg.max_inflight_per_engine
+        return self.num_engines * self.acfg.max_inflight_per_engine
+
+    def recovering(self) -> bool:
+        """Whether a failing turn is held for the engines to come back: the fleet is recovering an engine, or
+        (sharing another agent's fleet) its owner's rollout supervises and restarts what failed."""
+        return self.pool.recovering()
 
     def background(self, stop: asyncio.Event) -> list[Awaitable[None]]:
-        """Loops that run beside the handlers: the load report, and the fleet's supervision when it owns one."""
-        return [self.report_load(stop), *([self.fleet.supervise(stop)] if self.fleet else [])]
+        """Loops that run beside the handlers: the load report, and the engines' supervision."""
+        return [self.report_load(stop), self.pool.supervise(stop)]
 
     async def close(self) -> None:
         await self.batcher.aclose()
         await self.client.aclose()
-        if self.fleet is not None:
-            await self.fleet.close()
+        await self.pool.close()
 
     # --- handlers ---------------------------------------------------------------------
     async def on_turn(self, req: GenerateRequest) -> None:
@@ -166,8 +181,7 @@ class RolloutService:
                 if exc.request_rejected:  # the request itself is bad: answer, then dead-letter it
                     await self.answer_error(req, str(exc))
                     raise Reject(str(exc)) from exc
-                held = self.fleet is not None and self.fleet.recovering() and \
-                    time.monotonic() - started < HOLD_FOR_FLEET_S
+                held = self.recovering() and time.monotonic() - started < HOLD_FOR_FLEET_S
                 if attempt + 1 >= RETRIES and not held:
                     break
                 if attempt < RETRIES or attempt % 10 == 0:
@@ -200,14 +214,7 @@ class RolloutService:
         why = await refusal(self.bus.redis, s, run_secret(), w)
         if why is not None:
             raise Reject(f"weights version {w.weight_version} at {w.path} refused: {why}")
-        if self.fleet is not None:
-            engines = await self.fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
-        else:
-            engines = await list_workers(self.router_url, token=self.token)
-            await asyncio.gather(*(self.load_on(url, w) for url in engines))
-            if is_adapter_dir(w.path):
-                old = self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
-                await asyncio.gather(*(self.sync.unload(url, self.held.setdefault(url, set()), old) for url in engines))
+        engines = await self.pool.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
         if not engines:
             raise RetryLater(f"no engine is up to load version {w.weight_version} on")
         async with self.bus.redis.pipeline(transaction=True) as pipe:
@@ -217,24 +224,6 @@ class RolloutService:
         await self.bus.publish(s.events, WeightsLoaded(source=self.bus.service, agent=agent,
                                                        weight_version=w.weight_version, engines=engines, path=w.path))
         log.info("version %d loaded on %d engine(s)", w.weight_version, len(engines))
-
-    async def load_on(self, url: str, w: WeightsUpdate) -> None:
-        """Load an update on one worker of an external router: its adapter, or its full weights."""
-        if is_adapter_dir(w.path):
-            await self.sync.load(url, self.held.setdefault(url, set()), w.path, w.weight_version, WeightsProof.of(w))
-        else:
-            await self.client.update_weights(url, w.path, w.weight_version, WeightsProof.of(w))
-
-    async def resume_serving(self) -> None:
-        """With an external router, whose workers outlive this rollout: go on naming the adapter they were
-        given last (the loaded weights this agent recorded), when it is an authentic adapter version."""
-        raw = await self.bus.redis.get(self.bus.streams.loaded_weights(self.agent))
-        if raw is None:
-            return
-        w = WeightsUpdate.model_validate_json(raw)
-        if is_adapter_dir(w.path) and await refusal(self.bus.redis, self.bus.streams, run_secret(), w) is None:
-            self.sync.record(w.path, w.weight_version, WeightsProof.of(w))
-            log.info("serving adapter version %d on the external router's workers", w.weight_version)
 
     # --- the load report --------------------------------------------------------------
     async def report_load(self, stop: asyncio.Event) -> None:
@@ -250,19 +239,16 @@ class RolloutService:
             for g in await self.bus.redis.xinfo_groups(s.turns(self.agent)):
                 if g["name"] in (b"rollout", "rollout"):
                     depth = int(g.get("lag") or 0) + int(g.get("pending") or 0)
-        engines = [EngineStatus(**e) for e in self.fleet.snapshot()] if self.fleet else []
-        if self.fleet is None:
-            with contextlib.suppress(httpx.HTTPError, RuntimeError):  # an external router may be down a while
-                urls = await list_workers(self.router_url, token=self.token)
-                engines = [EngineStatus(url=u, healthy=True) for u in urls]
+        engines = [EngineStatus(**e) for e in await self.pool.status()]
         await self.bus.publish(s.events, RolloutLoad(
             source=self.bus.service, agent=self.agent, queue_depth=depth, inflight=self.limiter.inflight,
             capacity=self.limiter.capacity(), waiting=self.limiter.waiting, router=self.router_url, engines=engines,
-            router_restarts=self.fleet.router_restarts if self.fleet else 0))
+            router_restarts=self.pool.router_restarts))
 
 
-async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
-    """A restarted rollout puts its fresh engines on the version the agent had loaded before."""
+async def resume_weights(bus: Bus, agent: str, fleet: Engines) -> None:
+    """A restarted rollout goes on from the version the agent had loaded before, when it is authentic: its
+    fresh fleet loads it; an external router's workers, which outlive the rollout, are named it again."""
     raw = await bus.redis.get(bus.streams.loaded_weights(agent))
     if raw is None:
         return
@@ -275,5 +261,18 @@ async def resume_weights(bus: Bus, agent: str, fleet: EngineFleet) -> None:
     if why is not None:
         log.warning("not resuming weights version %d (%s): engines start on the base model", w.weight_version, why)
         return
-    await fleet.load_weights(w.path, w.weight_version, proof=WeightsProof.of(w))
+    await fleet.resume(w.path, w.weight_version, WeightsProof.of(w))
     log.info("resumed on version %d", w.weight_version)
+
+
+def shared_router_url(cfg: TandemConfig, agent: str) -> str | None:
+    """The router of the fleet an agent sharing another's engines drives (that agent's ``router_port`` on this
+    host: ``tandem up`` fixes it), or None for an agent that owns its engines."""
+    owner = fleet_owner(cfg.agents, agent)
+    if owner == agent:
+        return None
+    port = cfg.agents[owner].router_port
+    if not port:
+        raise ConfigError(f"agents.{agent}.share_engines_with: agents.{owner}.router_port is 0, so {agent}'s rollout "
+                          f"cannot find {owner}'s router: give it a port, or start the rollout with --router URL")
+    return f"http://127.0.0.1:{port}"

@@ -79,9 +79,11 @@ def plan(acfg: AgentConfig) -> Spawned:
                    engine_ports=[base + i if base else free_port() for i in range(acfg.num_engines)])
 
 
-def spawn_early(acfg: AgentConfig, agent: str, host: str = "127.0.0.1") -> Spawned:
-    """Start the agent's engines (the slow ones first), then its router; return them to adopt."""
+def spawn_early(acfg: AgentConfig, agent: str, host: str = "127.0.0.1", shared_with: tuple[str, ...] = ()) -> Spawned:
+    """Start the agent's engines (the slow ones first), then its router; return them to adopt. ``shared_with``:
+    the agents whose rollouts share these engines (their signed adapters load on them too)."""
     s = plan(acfg)
-    s.engines = [spawn(engine_command(acfg, agent, i, port, host), s.token) for i, port in enumerate(s.engine_ports)]
+    s.engines = [spawn(engine_command(acfg, agent, i, port, host, shared_with), s.token)
+                 for i, port in enumerate(s.engine_ports)]
     s.router = spawn(router_command(s.router_port, [], host=host, admin_token=s.token), s.token)
     return s

@@ -1,4 +1,4 @@
-"""The launcher's supervision loop without a whole run (services/launcher/processes.py and up.py,
+"""The launcher's supervision loop without a whole run (services/launcher/processes.py and valkey.py,
 docs/architecture.md §9): a service that dies once the run is winding down is not started again (the
 coordinator still is); the embedded Valkey restarts in a thread of its own, so ``supervise`` returns at
 once; engine restarts reported in the statuses are counted per agent, across a rollout's restart."""
