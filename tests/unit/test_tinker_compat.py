@@ -97,7 +97,7 @@ STATUS: dict[str, tuple[str, str]] = {
     "RestClient.unpublish_checkpoint_from_tinker_path": (SERVED, "clears the `public` flag"),
     "RestClient.whoami": (SERVED, "the SDK reads the claims of the JWT it trades its key for "
                                   "(`/api/v1/auth/token`, `jwt_auth`): `tml:user:local` on an open server, one "
-                                  "principal per API key otherwise (tests/test_tinker_auth.py)"),
+                                  "principal per API key otherwise (tests/integration/test_tinker_auth.py)"),
 }
 
 
