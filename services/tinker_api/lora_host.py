@@ -6,7 +6,12 @@ optimizer state, not another copy of the base. Only one adapter is active at a t
 service runs every training operation on one thread, so switching is safe.
 
 ``LoraClient`` is one training client, as Tinker defines it: ``forward_backward`` sums
-the loss over the datums and ADDS its gradients to the ones already there;
+the loss over the datums and ADDS its gradients to the ones already there; it runs forward
+and backward per chunk of datums (``chunks``: at most ``LOGIT_BUDGET`` padded logits each,
+one datum at least), freeing each chunk's logits before the next, so its peak memory is one
+chunk's, not the call's. Every loss here is per datum (Tinker's batch loss is the sum of the
+datums' losses; GSPO's sequence is one datum), so chunking changes only the summation order
+of the gradients;
 ``optim_step`` applies AdamW with that call's hyper-parameters (and global-norm clipping
 when ``grad_clip_norm`` > 0), then clears the gradients.
 """
@@ -33,6 +38,7 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32.0  # Tinker's, on every rank (scale 32 / r): tinker-cookbook 0.5.8 hyperparam_utils (lora_alpha=32)
 STATE_FILE = "tinker_state.pt"
+LOGIT_BUDGET = 1 << 26  # padded positions x vocabulary per forward chunk (SmolLM2: 1,365 tokens, 256 MiB fp32)
 
 
 @dataclass
@@ -136,6 +142,21 @@ class BaseHost:
         return out_dir
 
 
+def chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive datum indices, grouped so each group's padded size (count x longest) stays within
+    ``max_tokens``; a datum longer than that is a group of its own."""
+    out: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if out and max(longest, n) * (len(out[-1]) + 1) <= max_tokens:
+            out[-1].append(i)
+            longest = max(longest, n)
+        else:
+            out.append([i])
+            longest = n
+    return out
+
+
 class LoraClient:
     """One Tinker training client: an adapter on a BaseHost, its AdamW, its accumulated gradients."""
 
@@ -145,6 +166,7 @@ class LoraClient:
         self.targets = host.add_adapter(name, rank, seed, mlp, attn, unembed)
         self.params = list(host.adapter_params(name).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.logit_budget = LOGIT_BUDGET
 
     def close(self) -> None:
         self.host.drop_adapter(self.name)
@@ -188,15 +210,34 @@ class LoraClient:
             if bool(((tt < 0) | (tt >= vocab)).any()):
                 raise UserError(f"data[{i}].loss_fn_inputs.target_tokens: ids outside the vocabulary ({vocab})")
             d.inputs = {k: v.to(self.host.device) for k, v in d.inputs.items()}
-        with torch.set_grad_enabled(backward):
-            logps = self._logprobs(data)
-            outs = [loss(lp, d.inputs) for lp, d in zip(logps, data, strict=True)]
-            total = sum(x for x, _ in outs)
-            assert isinstance(total, torch.Tensor)
-            metrics = loss.metrics([m for _, m in outs])
-            if backward:
-                total.backward()  # adds to the gradients of earlier calls until optim_step
-        return [lp.detach().cpu() for lp in logps], float(total.detach()), metrics
+        saved = [None if p.grad is None else p.grad.clone() for p in self.params] if backward else []
+        try:
+            return self._chunked(data, loss, backward, self.logit_budget // vocab)
+        except BaseException:
+            for p, g in zip(self.params, saved, strict=True):  # a failing datum leaves no partial gradients
+                p.grad = g
+            raise
+
+    def _chunked(self, data: list[Datum], loss: Any, backward: bool, max_tokens: int
+                 ) -> tuple[list[torch.Tensor], float, dict[str, float]]:
+        """Forward (and backward) chunk by chunk; the per-datum results, their summed loss and metrics."""
+        logps: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
+        per_datum: list[dict[str, torch.Tensor]] = []
+        for chunk in chunks([len(d.tokens) for d in data], max_tokens):
+            with torch.set_grad_enabled(backward):
+                part = self._logprobs([data[i] for i in chunk])
+                outs = [loss(lp, data[i].inputs) for lp, i in zip(part, chunk, strict=True)]
+                if backward:
+                    sum(x for x, _ in outs).backward()  # type: ignore[union-attr]  # adds to earlier gradients
+            logps += [lp.detach().cpu() for lp in part]
+            losses += [x.detach() for x, _ in outs]
+            per_datum += [{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in m.items()}
+                          for _, m in outs]
+            del part, outs  # this chunk's logits and graph go before the next chunk's forward
+        total = sum(losses)  # the same order of float additions as one whole-batch sum
+        assert isinstance(total, torch.Tensor)
+        return logps, float(total), loss.metrics(per_datum)
 
     def optim_step(self, params: dict[str, Any]) -> dict[str, float]:
         for group in self.optimizer.param_groups:
