@@ -37,6 +37,7 @@ The health, info and ``/generate`` routes stay open to the router (docs/architec
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -79,6 +80,7 @@ VERSION = "0.5.0-tandem-embedded"
 # real model's prefill of a full batch takes tens of seconds on a loaded CPU)
 STEP_STALL_S = 300.0
 _ROUTER_FIELDS = ROUTER_FIELDS  # the name the contract test reads
+log = logging.getLogger("tandem.engine")
 
 
 def _bad(message: str, code: int = 400) -> JSONResponse:
@@ -191,10 +193,31 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
 def _generate_endpoint(engine: Engine, engine_id: str | None) -> Any:
     async def generate(request: Request) -> Response:
         call = parse_generate(await request.body(), engine)
-        await engine.generate_many(call.requests)
+        work = asyncio.ensure_future(engine.generate_many(call.requests))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client went away (its timeout): abort the call's requests, free their slots
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            engine.stats["client_aborts"] += len(call.requests)
+            log.info("/generate client disconnected: aborted %d request(s) (%s)", len(call.requests),
+                     ", ".join(r.rid for r in call.requests[:4]) + (" ..." if len(call.requests) > 4 else ""))
+            return _bad("Request is disconnected from the client side: its requests were aborted")
+        work.result()  # an EngineError raises here (answered 400)
         return json_response(replies(call, engine, engine_id))
 
     return generate
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the HTTP client has disconnected (its body is read: the next ASGI message is the disconnect).
+    SGLang polls ``request.is_disconnected()`` every 4 s while a non-streaming request runs and aborts it; waiting
+    on the message itself aborts at once."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _admin_guard(admin_token: str | None) -> Any:

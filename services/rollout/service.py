@@ -70,8 +70,8 @@ class RolloutService:
         self.token = fleet.token if fleet is not None else token_from_env()  # the run's admin token
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * self.engines())
-        self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
-                                   max_batch=per_engine)
+        client = EngineClient(router_url, timeout=120.0, token=self.token, engines=self.engine_urls)
+        self.batcher = TurnBatcher(client, self.engines, max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
         # the adapters the engines hold (the fleet's, or for an external router's workers: ``held`` per url)
         self.sync = fleet.sync if fleet is not None else AdapterSync(agent, self.client)
@@ -107,6 +107,13 @@ class RolloutService:
     def engines(self) -> int:
         """How many engines take turns now: the fleet's healthy ones, or the configured number."""
         return self.fleet.healthy() if self.fleet is not None else self.acfg.num_engines
+
+    async def engine_urls(self) -> list[str]:
+        """Every engine's URL (the fleet's, or those the external router lists): where a timed-out call's
+        requests are aborted."""
+        if self.fleet is not None:
+            return [e.url for e in self.fleet.engines]
+        return await list_workers(self.router_url, token=self.token)
 
     @property
     def concurrency(self) -> int:
