@@ -16,9 +16,11 @@ a 500. The router adds a few SGLang fields of its own to every ``/generate``
 body (``model``, ``log_metrics``, ``return_text_in_logprobs``...); those are
 accepted when they ask for nothing this engine lacks, any other unknown
 field is rejected. ``/generate`` itself (single and batch bodies, orjson in and out) is
-``generate_api``; ``/get_server_info``'s ``internal_states`` carry the engine's counters
+``generate_api``; a call whose HTTP client disconnects before it is answered has its requests aborted (as
+SGLang), so they free their batch slots. ``/get_server_info``'s ``internal_states`` carry the engine's counters
 (prefills, decode steps, requests that joined or left a running batch, prompt tokens prefilled and taken
-from the prefix cache, and the prefix cache's hits, misses, evictions and size).
+from the prefix cache, requests aborted as their client left, and the prefix cache's hits, misses, evictions
+and size).
 
 LoRA adapters (services/inference/adapters.py) load on the resident base under a name, and a ``/generate``
 body's ``lora_path`` names the adapter a prompt runs under; unloading waits for the requests that name it.

@@ -8,6 +8,8 @@ the embedded engine on CPU: replies are parsed with the SGLang contract models.
 
 With the run's admin token (``token``: services/common/admin_token.py) every call carries it as a bearer
 token: the engines' admin routes and the router (its ``--api-key``) require it (docs/architecture.md §2.3).
+Given the engines' URLs (``engines``), a generate call that times out has its requests aborted on every engine
+(``/abort_request`` per rid, best effort) before its error is raised, so the caller's retry does not run beside them.
 """
 
 from __future__ import annotations
