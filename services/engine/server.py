@@ -199,6 +199,9 @@ def _generate_endpoint(engine: Engine, engine_id: str | None) -> Any:
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping: the requests go with the call
+            work.cancel()
+            raise
         finally:
             gone.cancel()
         if not work.done():  # the client went away (its timeout): abort the call's requests, free their slots
@@ -218,8 +221,10 @@ async def _client_gone(request: Request) -> None:
     """Return once the HTTP client has disconnected (its body is read: the next ASGI message is the disconnect).
     SGLang polls ``request.is_disconnected()`` every 4 s while a non-streaming request runs and aborts it; waiting
     on the message itself aborts at once."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.1)  # not expected once the body is read: never spin on a server that repeats one
 
 
 def _admin_guard(admin_token: str | None) -> Any:
