@@ -16,9 +16,11 @@ a 500. The router adds a few SGLang fields of its own to every ``/generate``
 body (``model``, ``log_metrics``, ``return_text_in_logprobs``...); those are
 accepted when they ask for nothing this engine lacks, any other unknown
 field is rejected. ``/generate`` itself (single and batch bodies, orjson in and out) is
-``generate_api``; ``/get_server_info``'s ``internal_states`` carry the engine's counters
+``generate_api``; a call whose HTTP client disconnects before it is answered has its requests aborted (as
+SGLang), so they free their batch slots. ``/get_server_info``'s ``internal_states`` carry the engine's counters
 (prefills, decode steps, requests that joined or left a running batch, prompt tokens prefilled and taken
-from the prefix cache, and the prefix cache's hits, misses, evictions and size).
+from the prefix cache, requests aborted as their client left, and the prefix cache's hits, misses, evictions
+and size).
 
 LoRA adapters (services/inference/adapters.py) load on the resident base under a name, and a ``/generate``
 body's ``lora_path`` names the adapter a prompt runs under; unloading waits for the requests that name it.
@@ -39,6 +41,7 @@ The health, info and ``/generate`` routes stay open to the router (docs/architec
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -81,6 +84,7 @@ VERSION = "0.5.0-tandem-embedded"
 # real model's prefill of a full batch takes tens of seconds on a loaded CPU)
 STEP_STALL_S = 300.0
 _ROUTER_FIELDS = ROUTER_FIELDS  # the name the contract test reads
+log = logging.getLogger("tandem.engine")
 
 
 def _bad(message: str, code: int = 400) -> JSONResponse:
@@ -194,10 +198,36 @@ def _info_routes(app: FastAPI, engine: Engine, path: str, engine_id: str | None)
 def _generate_endpoint(engine: Engine, engine_id: str | None) -> Any:
     async def generate(request: Request) -> Response:
         call = parse_generate(await request.body(), engine)
-        await engine.generate_many(call.requests)
+        work = asyncio.ensure_future(engine.generate_many(call.requests))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping: the requests go with the call
+            work.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if not work.done():  # the client went away (its timeout): abort the call's requests, free their slots
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            engine.stats["client_aborts"] += len(call.requests)
+            log.info("/generate client disconnected: aborted %d request(s) (%s)", len(call.requests),
+                     ", ".join(r.rid for r in call.requests[:4]) + (" ..." if len(call.requests) > 4 else ""))
+            return _bad("Request is disconnected from the client side: its requests were aborted")
+        work.result()  # an EngineError raises here (answered 400)
         return json_response(replies(call, engine, engine_id))
 
     return generate
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the HTTP client has disconnected (its body is read: the next ASGI message is the disconnect).
+    SGLang polls ``request.is_disconnected()`` every 4 s while a non-streaming request runs and aborts it; waiting
+    on the message itself aborts at once."""
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.1)  # not expected once the body is read: never spin on a server that repeats one
 
 
 def _admin_guard(admin_token: str | None) -> Any:

@@ -95,9 +95,9 @@ class Engine:
         self.step_seconds = LatencyWindow()  # recent steps' durations (the health probe's patience follows them)
         # prefills; decode steps; requests that joined a running batch; that left while others ran on;
         # seconds the model thread spent in steps (prefills, decodes, sampling: busy, not waiting for work);
-        # prompt tokens fed to prefills, and taken from the prefix cache instead
+        # prompt tokens fed to prefills, and taken from the prefix cache instead; requests aborted as their client left
         self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "joined_running": 0, "left_running": 0,
-                                        "busy_s": 0.0, "prefill_tokens": 0, "cached_tokens": 0}
+                                        "busy_s": 0.0, "prefill_tokens": 0, "cached_tokens": 0, "client_aborts": 0}
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -140,6 +140,7 @@ class Engine:
                 for r in reqs:
                     r.aborted = True
                 self._queue = [q for q in self._queue if not q.aborted]
+                self._cv.notify_all()  # a paused worker drops the frozen rows now, not at continue
             raise
 
     async def run_op(self, fn: Callable[[], Any]) -> Any:

@@ -8,12 +8,17 @@ the embedded engine on CPU: replies are parsed with the SGLang contract models.
 
 With the run's admin token (``token``: services/common/admin_token.py) every call carries it as a bearer
 token: the engines' admin routes and the router (its ``--api-key``) require it (docs/architecture.md §2.3).
+Given the engines' URLs (``engines``), a generate call that times out has its requests aborted on every engine
+(``/abort_request`` per rid, best effort) before its error is raised, so the caller's retry does not run beside them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -34,6 +39,9 @@ from services.contracts.sglang_api import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
+
+log = logging.getLogger("tandem.rollout")
+ABORT_WAIT_S = 5.0  # an engine's answer to ``/abort_request``: it only marks requests, so this is ample
 
 
 class EngineClientError(RuntimeError):
@@ -105,9 +113,11 @@ class EngineClient:
     """One ``httpx.AsyncClient`` reused for every call; close with ``aclose()`` or ``async with``."""
 
     def __init__(self, router_url: str, timeout: float = 300.0,
-                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None,
+                 engines: Callable[[], Awaitable[list[str]]] | None = None) -> None:
         self.router_url = router_url.rstrip("/")
         self.timeout = timeout  # a generate call's floor; it waits 4 x the slowest recent one when longer
+        self.engines = engines  # the engines' URLs: a timed-out call's requests are aborted on each
         self.latency = LatencyWindow()
         self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=bearer(token))
 
@@ -135,7 +145,7 @@ class EngineClient:
         the sampled tokens."""
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling), "return_logprob": True,
                 "rid": rid} | ({"lora_path": lora} if lora is not None else {})
-        return _result(await self._generate_call(body, rid), rid)
+        return _result(await self._generate_call(body, rid, [rid]), rid)
 
     async def generate_batch(self, prompts: list[list[int]], sampling: dict[str, Any],
                              rid: str, lora: str | None = None) -> list[GenerateResult | EngineClientError]:
@@ -144,7 +154,7 @@ class EngineClient:
         its item alone came back with (the call's own failure raises ``EngineClientError``)."""
         body = {"input_ids": [list(p) for p in prompts], "sampling_params": dict(sampling), "return_logprob": True,
                 "rid": rid} | ({"lora_path": lora} if lora is not None else {})
-        items = await self._generate_call(body, rid)
+        items = await self._generate_call(body, rid, [f"{rid}_{i}" for i in range(len(prompts))])
         if not isinstance(items, list) or len(items) != len(prompts):
             got = f"{len(items)} replies" if isinstance(items, list) else type(items).__name__
             raise EngineClientError(f"generate {rid}: a batch of {len(prompts)} answered with {got}")
@@ -156,10 +166,17 @@ class EngineClient:
                 out.append(exc)
         return out
 
-    async def _generate_call(self, body: dict[str, Any], rid: str) -> Any:
-        """Waits ``timeout`` or 4 x the slowest recent call: a slow engine's turn is not given up and sent again."""
+    async def _generate_call(self, body: dict[str, Any], rid: str, rids: list[str]) -> Any:
+        """Waits ``timeout`` or 4 x the slowest recent call: a slow engine's turn is not given up and sent again.
+        A call that times out has its requests (``rids``) aborted on the engines before the error is raised, so
+        a retry does not run beside the old copy."""
         started = time.monotonic()
-        resp = await self._post(f"{self.router_url}/generate", body, wait_s=self.latency.bound(self.timeout))
+        try:
+            resp = await self._post(f"{self.router_url}/generate", body, wait_s=self.latency.bound(self.timeout))
+        except EngineClientError as exc:
+            if isinstance(exc.__cause__, httpx.TimeoutException):
+                await self.abort(rids, why=f"generate {rid} timed out")
+            raise
         if resp.status_code == 200:
             self.latency.add(time.monotonic() - started)
         if resp.status_code != 200:
@@ -173,6 +190,30 @@ class EngineClient:
             return json.loads(resp.content)
         except ValueError as exc:
             raise EngineClientError(f"generate {rid}: unparseable reply: {exc}") from exc
+
+    async def abort(self, rids: list[str], why: str) -> int:
+        """Best effort: ``/abort_request`` each of ``rids`` on every engine (the router does not fan it out);
+        logged, never raised. Returns how many requests the engines aborted."""
+        if self.engines is None or not rids:
+            return 0
+        try:
+            urls = await self.engines()
+        except Exception as exc:  # noqa: BLE001 - best effort: the retry goes on regardless
+            log.warning("%s: cannot list the engines to abort its %d request(s): %r", why, len(rids), exc)
+            return 0
+        answers = await asyncio.gather(*(self._abort_one(url, r) for url in urls for r in rids),
+                                       return_exceptions=True)
+        aborted = sum(a for a in answers if isinstance(a, int))
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        log.warning("%s: aborted %d of its %d request(s) on %d engine(s)%s", why, aborted, len(rids), len(urls),
+                    f"; {len(failed)} abort call(s) failed, e.g. {failed[0]!r}" if failed else "")
+        return aborted
+
+    async def _abort_one(self, engine_url: str, rid: str) -> int:
+        resp = await self._http.post(f"{engine_url.rstrip('/')}/abort_request", json={"rid": rid},
+                                     timeout=ABORT_WAIT_S)
+        resp.raise_for_status()
+        return int(resp.json().get("num_aborted", 0))
 
     async def update_weights(self, engine_url: str, model_path: str, version: int,
                              proof: WeightsProof | None = None) -> None:

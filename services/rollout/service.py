@@ -80,8 +80,8 @@ class RolloutService:
         self.token = self.pool.token  # the run's admin token
         per_engine = self.acfg.max_inflight_per_engine
         self.limiter = InflightLimiter(lambda: per_engine * self.engines())
-        self.batcher = TurnBatcher(EngineClient(router_url, timeout=120.0, token=self.token), self.engines,
-                                   max_batch=per_engine)
+        client = EngineClient(router_url, timeout=120.0, token=self.token, engines=self.engine_urls)
+        self.batcher = TurnBatcher(client, self.engines, max_batch=per_engine)
         self.vocab = vocab_size(self.acfg.model_path)
         self.sync = self.pool.sync  # the adapter versions the engines hold, and the one turns go under
 
@@ -118,6 +118,13 @@ class RolloutService:
     def engines(self) -> int:
         """How many engines take turns now: the fleet's healthy ones, or the configured number."""
         return self.pool.healthy()
+
+    async def engine_urls(self) -> list[str]:
+        """Every engine's URL (the fleet's, or those the external router lists): where a timed-out call's
+        requests are aborted."""
+        if self.fleet is not None:
+            return [e.url for e in self.fleet.engines]
+        return await list_workers(self.router_url, token=self.token)
 
     @property
     def concurrency(self) -> int:
