@@ -35,6 +35,8 @@ class Engines(Protocol):
 
     def healthy(self) -> int: ...
 
+    async def engine_urls(self) -> list[str]: ...
+
     def recovering(self) -> bool: ...
 
     async def load_weights(self, path: str, version: int, rejoin_timeout: float | None = None,
@@ -65,6 +67,10 @@ class ExternalRouter:
 
     def healthy(self) -> int:
         return self.num_engines
+
+    async def engine_urls(self) -> list[str]:
+        """The workers the router lists now."""
+        return await list_workers(self.router_url, token=self.token)
 
     def recovering(self) -> bool:
         """A shared fleet's owner restarts what failed: its sharers hold a failing turn meanwhile."""

@@ -335,6 +335,10 @@ class EngineFleet:
     def healthy(self) -> int:
         return sum(1 for e in self.engines if e.registered)
 
+    async def engine_urls(self) -> list[str]:
+        """Every engine of the fleet, registered or not (a call may still run on one being restarted)."""
+        return [e.url for e in self.engines]
+
     async def resume(self, path: str, version: int, proof: WeightsProof | None) -> None:
         """A restarted rollout's fresh engines: put them on the version the agent had loaded."""
         await self.load_weights(path, version, proof=proof)

@@ -122,9 +122,7 @@ class RolloutService:
     async def engine_urls(self) -> list[str]:
         """Every engine's URL (the fleet's, or those the external router lists): where a timed-out call's
         requests are aborted."""
-        if self.fleet is not None:
-            return [e.url for e in self.fleet.engines]
-        return await list_workers(self.router_url, token=self.token)
+        return await self.pool.engine_urls()
 
     @property
     def concurrency(self) -> int:
