@@ -55,9 +55,12 @@ def seat_players(cfg: TandemConfig, checkpoints: dict[str, str]) -> dict[str, Pl
 
 
 def records(result: EpisodeResult, env_name: str, measures: tuple[str, ...] | None) -> list[dict[str, Any]]:
-    """One chat-format record per model role of the episode."""
+    """One chat-format record per model role of the episode that replied (a role whose episode ended before its
+    first turn has nothing to learn from: no record)."""
     out = []
     for role, messages in result.chats.items():
+        if not any(m.get("role") == "assistant" for m in messages):
+            continue
         player = result.roles[role]
         assert isinstance(player, Local)
         out.append({"messages": messages, "reward": result.rewards.get(role, 0.0),
