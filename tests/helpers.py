@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -184,6 +185,26 @@ def engines_behind_router(model_dir: Path, logs: Path, engine_ids: Sequence[str]
         stop_processes(procs)
         for f in files:
             f.close()
+
+
+@asynccontextmanager
+async def engine_killed_and_back(fleet: Any) -> AsyncIterator[Any]:
+    """Supervise ``fleet``, SIGKILL its first engine and wait (60 s) until the fleet has it back registered;
+    yields that engine, and stops the supervision on exit."""
+    e = fleet.engines[0]
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(fleet.supervise(stop))
+    try:
+        assert e.proc is not None
+        os.kill(e.proc.pid, signal.SIGKILL)
+        for _ in range(600):
+            if e.restarts == 1 and e.registered:
+                break
+            await asyncio.sleep(0.1)
+        yield e
+    finally:
+        stop.set()
+        await watcher
 
 
 async def first_response(client: httpx.AsyncClient, path: str, tries: int = 100) -> httpx.Response:

@@ -5,9 +5,6 @@ restarted engine gets the kept adapters back before it takes turns."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from services.contracts.messages import GenerateReply, GenerateRequest, Sampling
 from services.inference.generator import Engine, GenRequest
 from services.rollout.fleet import EngineFleet
 from services.rollout.service import RolloutService
+from tests.helpers import engine_killed_and_back
 from tests.trainer_commit import commit_weights
 from tests.unit.test_lora_adapters import LORA, batch, trained
 
@@ -117,20 +115,8 @@ async def test_a_restarted_engine_gets_the_kept_adapters_back(rollout: RolloutSe
     assert fleet is not None
     for v in (1, 2):
         await rollout.on_weights(await commit_weights(rollout.bus, "A", v, versions[v - 1]))
-    e = fleet.engines[0]
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(fleet.supervise(stop))
-    try:
-        assert e.proc is not None
-        os.kill(e.proc.pid, signal.SIGKILL)
-        for _ in range(600):
-            if e.restarts == 1 and e.registered:
-                break
-            await asyncio.sleep(0.1)
+    async with engine_killed_and_back(fleet) as e:
         assert e.restarts == 1 and e.registered and e.adapters == {"A-v1", "A-v2"}
         reply = await turn(rollout, "after-restart")
         assert reply.weight_version == 2
         assert reply.output_logprobs == pytest.approx(await merged_logprobs(versions[1]), abs=1e-4)
-    finally:
-        stop.set()
-        await watcher

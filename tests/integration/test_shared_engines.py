@@ -6,9 +6,6 @@ cannot share."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from services.contracts.config import ConfigError, parse_config
 from services.contracts.messages import GenerateReply, GenerateRequest, SamplingParams
 from services.rollout.adapters import read_kept
 from services.rollout.service import RolloutService
-from tests.helpers import ADMIN_TOKEN
+from tests.helpers import ADMIN_TOKEN, engine_killed_and_back
 from tests.integration.test_adapter_sync import merged_logprobs
 from tests.trainer_commit import commit_weights
 from tests.unit.test_lora_adapters import LORA, batch, trained
@@ -119,20 +116,8 @@ async def test_two_agents_share_one_fleet_and_a_restarted_engine_serves_both(
         assert int(await a.bus.redis.get(a.bus.streams.loaded_weight_version(agent))) == version
     assert [s.name for s in await read_kept(a.bus.redis, a.bus.streams, ["B"])] == ["B-v1"]
 
-    e = fleet.engines[0]
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(fleet.supervise(stop))
-    try:
-        assert e.proc is not None
-        os.kill(e.proc.pid, signal.SIGKILL)
-        for _ in range(600):
-            if e.restarts == 1 and e.registered:
-                break
-            await asyncio.sleep(0.1)
+    async with engine_killed_and_back(fleet) as e:
         assert e.restarts == 1 and e.registered and e.adapters == {"A-v1", "A-v2", "B-v1"}
         back = await turn(b, "b1-after-restart")
         assert back.weight_version == 1 and back.output_logprobs == pytest.approx(b1.output_logprobs, abs=1e-4)
         assert (await turn(a, "a2-after-restart")).output_logprobs == pytest.approx(a2.output_logprobs, abs=1e-4)
-    finally:
-        stop.set()
-        await watcher
