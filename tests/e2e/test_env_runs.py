@@ -20,6 +20,9 @@ import pytest
 import yaml
 
 from services.common.embedded_redis import free_port
+from services.contracts.config import load_config
+from services.envs.registry import check_environment_config
+from services.launcher.preflight import extras_problems
 from tests.helpers import run_up
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +39,10 @@ RUN_ELSEWHERE = {"support_desk": "tests/e2e/test_three_agents_e2e.py", "tool_rel
                  # the sweep's set-ups: the demo, self-play and pool configs with one budget (those three run here)
                  "compare_cotrain": "demo", "compare_selfplay": "tictactoe_selfplay", "compare_pool": "tictactoe_pool",
                  "answer_demo": "answer_then_answer",  # the same environment and agents, other parameters
-                 "llm_twenty_questions": "twenty_questions"}  # its LoRA agents' path runs in llm_answer
+                 "llm_twenty_questions": "twenty_questions",  # its LoRA agents' path runs in llm_answer
+                 "demo": "tests/unit/test_matchups.py", "shared_base": "tests/e2e/test_shared_base_run.py",
+                 "compare_frozen": "tests/unit/test_sweep.py",  # its frozen set-up: a tic-tac-toe agent not trained
+                 "guess_number": "guess_demo"}  # the same environment, other parameters
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE)
 
 
@@ -90,6 +96,15 @@ def test_plugin_environment_from_a_test_module(tmp_path: Path, warm_model_dir: P
     path.write_text(yaml.safe_dump(cfg))
     proc, summary = tandem_up(path, tmp_path, warm_model_dir)
     check_run(proc, summary, ["A"])
+
+
+def test_the_configs_run_elsewhere_load_and_pass_the_checks_before_a_start() -> None:
+    """What ``tandem up`` checks before it starts anything (schema, environment parameters, extras), for each
+    config that another test runs in its place."""
+    for name in sorted(RUN_ELSEWHERE):
+        cfg = load_config(REPO / "configs" / f"{name}.yaml")
+        check_environment_config(cfg.environment)
+        assert extras_problems(cfg) == [], name
 
 
 def test_bad_environment_parameters_fail_at_start_naming_the_parameter(tmp_path: Path, tiny_model_dir: Path) -> None:
