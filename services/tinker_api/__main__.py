@@ -2,6 +2,8 @@
 
 ``python -m services.tinker_api export TINKER_PATH DIR [CONFIG] [--data-dir D]`` (``tandem serve export``)
 copies a checkpoint out of the data directory for an operator, without a running server.
+Arguments and the config are checked before the server's modules (torch, transformers, peft: seconds of
+imports) load, so a bad one is refused at once.
 """
 
 from __future__ import annotations
@@ -12,14 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from services.common.cli_args import SERVE_DESCRIPTION, add_serve_arguments
 from services.common.embedded_redis import EmbeddedRedis
-from services.tinker_api.app import create_app
-from services.tinker_api.checkpoints import export
 from services.tinker_api.config import ConfigFileError, ensure_auth, load_serve_config
-from services.tinker_api.losses import UserError
 
 
 def export_main(argv: list[str]) -> int:
@@ -30,6 +27,9 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", help="the server's YAML (for its data_dir)")
     parser.add_argument("--data-dir", help="the server's data directory (default: the config's, or runs/tinker)")
     args = parser.parse_args(argv)
+    from services.tinker_api.checkpoints import export
+    from services.tinker_api.losses import UserError
+
     try:
         cfg = load_serve_config(args.config)
         out = export(Path(args.data_dir or cfg.data_dir), args.tinker_path, Path(args.out_dir))
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     key_file = ensure_auth(cfg)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+
+    from services.tinker_api.app import create_app
+
     redis = None
     if cfg.redis_url is None:
         redis = EmbeddedRedis(data_dir=cfg.data_dir / "redis").start()
