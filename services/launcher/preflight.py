@@ -158,6 +158,7 @@ def extras_problems(cfg: TandemConfig) -> list[str]:
     """The optional packages the config asks for and this install lacks, each naming its extra."""
     wanted = [(f"agents.{name}.backend: megatron", "megatron") for name, a in cfg.agents.items()
               if a.backend == "megatron"]
+    wanted += [(f"agents.{name}.lora", "lora") for name, a in cfg.agents.items() if a.lora is not None]
     if cfg.logging.wandb is not None and cfg.logging.wandb.mode != "disabled":
         wanted.append(("logging.wandb", "wandb"))
     return [m for what, extra in wanted if (m := missing(extra, what)) is not None]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.devices import autocast, resolve, restore_rng, rng_states, training_precision
+from services.common.extras import require
 from services.common.weights_auth import weights_checksum
 from services.contracts.config import AgentConfig
 from services.training.algorithms import Share, Stats, StepPlan, make_algorithm, make_inputs
@@ -41,7 +42,8 @@ log = logging.getLogger("tandem.trainer")
 
 
 def lora() -> ModuleType:
-    """The LoRA helpers, imported only by agents that use LoRA (peft is slow to import)."""
+    """The LoRA helpers, imported only by agents that use LoRA (peft is slow to import, and the `lora` extra)."""
+    require("lora", "agents.X.lora")
     return importlib.import_module("services.training.lora")
 
 
