@@ -3,13 +3,14 @@
 Runs ``tandem up CONFIG --fresh --set ...`` as a subprocess, exactly as a user would, against a Valkey this
 script starts and owns (``TANDEM_REDIS_URL``, so the script can read it; the same server and settings as the
 launcher's embedded one: ``run.redis_appendfsync``, ``run.redis_maxmemory_mb``). Every ``--every`` seconds
-it samples ``INFO memory`` (``used_memory``, ``used_memory_peak``), the trained steps (the slower agent's
-published version) and the done-id sets' ids (``ZCARD``), bytes (``MEMORY USAGE``) and the messages handled
-(tests/bench/memory_run.py's ``done_ids``: each stream's entries ever added, once per consumer group).
+it samples ``INFO memory`` (``used_memory``, ``used_memory_peak``, ``used_memory_dataset``), the trained steps
+(the slower agent's published version) and the done-id sets' ids (``ZCARD``), bytes (``MEMORY USAGE``) and the
+messages handled (tests/bench/memory_run.py's ``done_ids``: each stream's entries ever added, once per consumer group).
 
-The summary: steps/min and messages/s past ``--warmup-s``, bytes per id, the done-id sets' size over time
-and the plateau the formula predicts (grace x message rate x bytes per id) against the one measured (the mean
-over the samples past grace + ``--lag-s``), with the done-sets' slope there (flat or still growing).
+The summary: steps/min and messages/s past ``--warmup-s``, bytes per id, the done-id sets' size over time,
+how many seconds of messages they hold at the end, and the plateau the formula predicts (grace x the message
+rate past grace + ``--lag-s`` x bytes per id) against the one measured (the mean over the samples past grace +
+``--lag-s``), with the done-sets' slope there (flat or still growing).
 
     PYTHONPATH=$PWD python tests/bench/memory_demo.py configs/demo.yaml --set run.total_steps=900 \\
         --set environment.eval.episodes=0 --out build/memory_demo.json
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,7 @@ def sample(client: redis.Redis, run: str, started: float) -> dict[str, Any]:
         "step": trained_steps(client, run),
         "used_memory": int(mem["used_memory"]),
         "used_memory_peak": int(mem["used_memory_peak"]),
+        "used_memory_dataset": int(mem["used_memory_dataset"]),
         **done_ids(client, run),
     }
 
@@ -97,6 +100,22 @@ def rate(samples: list[dict], key: str, since_s: float) -> float | None:
     pts = [(s["t"], s[key]) for s in samples if s["t"] >= since_s and not s.get("after_exit")]
     slope, _ = slope_mb_per_1000(pts)
     return None if slope != slope else slope * 1e6 / 1000  # MB per 1,000 s back to units per second
+
+
+def window_s(samples: list[dict]) -> float | None:
+    """How many seconds of messages the done-id sets hold at the last live sample: its time minus the time when
+    the messages handled were fewer by the ids now held (linear between samples; the grace plus the lags)."""
+    live = [s for s in samples if not s.get("after_exit")]
+    if not live:
+        return None
+    last = live[-1]
+    floor = last["handled"] - last["ids"]
+    for a, b in pairwise(live):
+        if a["handled"] <= floor <= b["handled"] and b["handled"] > a["handled"]:
+            return round(
+                last["t"] - (a["t"] + (b["t"] - a["t"]) * (floor - a["handled"]) / (b["handled"] - a["handled"])), 1
+            )
+    return None
 
 
 def plateau(samples: list[dict], since_s: float) -> dict[str, Any]:
@@ -128,7 +147,8 @@ def summarise(args: argparse.Namespace, samples: list[dict], grace: float, code:
     steps = rate(samples, "step", args.warmup_s)
     per_id = last["bytes"] / last["ids"] if last["ids"] else None
     measured = plateau(samples, grace + args.lag_s)
-    predicted = grace * msgs * per_id if msgs and per_id else None
+    late = rate(samples, "handled", grace + args.lag_s)  # the rate the plateau's own window saw
+    predicted = grace * late * per_id if late and per_id else None
     return {
         "config": args.config,
         "sets": run_sets(args),
@@ -139,7 +159,9 @@ def summarise(args: argparse.Namespace, samples: list[dict], grace: float, code:
         "steps_per_min_overall": round(end["step"] / last["t"] * 60, 1) if last["t"] else None,
         "steps_per_min_past_warmup": round(steps * 60, 1) if steps else None,
         "messages_per_s_past_warmup": round(msgs, 1) if msgs else None,
+        "messages_per_s_past_grace": round(late, 1) if late else None,
         "messages_handled": end["handled"],
+        "done_sets_hold_last_s": window_s(samples),
         "bytes_per_id_last": round(per_id, 1) if per_id else None,
         "used_memory_mb_peak_sampled": round(max(s["used_memory"] for s in samples) / 1e6, 2),
         "used_memory_mb_peak_valkey": round(end["used_memory_peak"] / 1e6, 2),
@@ -149,7 +171,7 @@ def summarise(args: argparse.Namespace, samples: list[dict], grace: float, code:
         "done_bytes_mb_max": round(max(s["bytes"] for s in samples) / 1e6, 2),
         "plateau_measured": measured,
         "plateau_predicted_bytes": round(predicted) if predicted else None,
-        "plateau_predicted_ids": round(grace * msgs) if msgs else None,
+        "plateau_predicted_ids": round(grace * late) if late else None,
     }
 
 
