@@ -89,9 +89,9 @@ def key_families(client: redis.Redis) -> dict[str, int]:
     return dict(sizes.most_common())
 
 
-def trained_steps(client: redis.Redis) -> int:
+def trained_steps(client: redis.Redis, run: str = RUN) -> int:
     """The slower agent's published version (the train log itself is bounded: it no longer counts steps)."""
-    return min(int(client.get(f"tandem:{RUN}:state:{a}:published_version") or 0) for a in ("A", "B"))
+    return min(int(client.get(f"tandem:{run}:state:{a}:published_version") or 0) for a in ("A", "B"))
 
 
 def family_slopes(samples: list[tuple[int, dict[str, int]]], warmup: int) -> dict[str, float]:
@@ -106,11 +106,11 @@ def is_done_set(family: str) -> bool:
     return ":done:" in family
 
 
-def done_ids(client: redis.Redis) -> dict[str, float]:
+def done_ids(client: redis.Redis, run: str = RUN) -> dict[str, float]:
     """The ids in every done-id set, their bytes, and the messages handled so far: each stream's entries ever
     added (``XINFO STREAM`` entries-added) once per consumer group reading it (the plateau formula's rate)."""
     ids = size = handled = 0
-    for key in client.scan_iter(match=f"tandem:{RUN}:*", count=1000):
+    for key in client.scan_iter(match=f"tandem:{run}:*", count=1000):
         kind = client.type(key)
         if kind == b"zset" and b":done:" in key:
             ids += int(client.zcard(key))
