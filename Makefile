@@ -15,8 +15,6 @@ CONFIG ?= configs/demo.yaml
 UP_FLAGS ?=
 # pytest-xdist workers for make test (the machines have 2 cores)
 TEST_WORKERS ?= 2
-# whole files to a worker (a file's shared run starts once), costliest first (tests/ordering.py)
-TEST_DIST ?= --dist loadscope --no-loadscope-reorder
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
 # tinker-cookbook, a CLIENT of `tandem serve`, in a virtualenv of its own: it pins transformers<=5.5.4,
@@ -30,7 +28,7 @@ UPLOT_VERSION ?= 1.6.32
 DASH_VENDOR := services/coordinator/dashboard/static/vendor
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install install-run run run-llm test test-costs test-fast test-unit bench lint clean browser dashboard-assets cookbook-venv \
+.PHONY: install install-run run run-llm test test-fast test-unit bench lint clean browser dashboard-assets cookbook-venv \
 	docs docs-gen wheelhouse docker-engine docker-base docker-redis images test-compose
 
 install: $(VENV)/.installed
@@ -89,11 +87,7 @@ dashboard-assets:
 # the compose run (tests/e2e/test_compose_run.py) builds images: its own target, test-compose
 test: install browser cookbook-venv docs
 	$(VENV)/bin/ruff check services tests docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) --durations=25 --ignore=tests/e2e/test_compose_run.py
-
-# after a full `make test` on a quiet machine: what each test file took becomes the order the next runs use
-test-costs:
-	cp build/test-costs.json tests/module_costs.json
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 --ignore=tests/e2e/test_compose_run.py
 
 # the generated reference is current, and the site builds with strict link checking (into build/site)
 docs: install

@@ -31,7 +31,6 @@ os.environ.setdefault("TANDEM_WEIGHTS_SECRET", secrets.token_hex(32))
 import torch  # noqa: E402
 
 from services.common.embedded_redis import EmbeddedRedis  # noqa: E402
-from tests.ordering import CostRecorder, costliest_first  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 REPO = Path(__file__).resolve().parents[1]
@@ -59,17 +58,11 @@ def cost(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test ``unit``, ``integration`` or ``e2e`` (``make test-unit`` runs the first), then order the
-    files costliest first (tests/ordering.py)."""
+    """Mark every test ``unit``, ``integration`` or ``e2e`` (``make test-unit`` runs the first)."""
     for item in items:
         marker = cost(item)
         if not item.get_closest_marker(marker):
             item.add_marker(getattr(pytest.mark, marker))
-    costliest_first(items)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(CostRecorder(), "tandem-test-costs")
 
 
 # what the warm start's weights depend on: its code, the code it plays with, and the library versions
