@@ -29,7 +29,33 @@ AOF_REWRITE_PERCENTAGE = 100  # rewrite the AOF once it has grown by this % sinc
 AOF_REWRITE_MIN_MB = 16  # ... and is at least this large
 
 
+PORTS_BELOW_EPHEMERAL = 12000  # free_port draws from this many ports just below the kernel's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free just now, for a server that binds it soon after.
+
+    Drawn at random from the ports just below the kernel's ephemeral range, not asked of the kernel (port 0):
+    the kernel hands out ephemeral ports to every outgoing connection too, so one opened between this choice
+    and the server's bind could take the port (``Errno 98``). Random draws by concurrent callers rarely meet.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - PORTS_BELOW_EPHEMERAL)
+    for _ in range(64 if high - low > 100 else 0):
+        port = low + secrets.randbelow(high - low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
