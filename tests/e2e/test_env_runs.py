@@ -5,6 +5,9 @@ trainers, coordinator — with ``TANDEM__`` overrides that make it one training
 step of small groups and a two-episode evaluation. The demo model is a byte-level
 tic-tac-toe player, so outside tic-tac-toe its replies are junk: the point is
 that the pipeline runs and that rewards and penalties reach the trainers.
+Configs whose services are those of a config run here (two GRPO agents on the torch trainer and the embedded
+engine), and differ only in their environment and its parameters, are played in process instead: their
+training matchups and their evaluation, on in-process engines, through the coordinator's own episode code.
 Also: a plug-in environment from a test module runs by its ``module:Class`` path,
 and bad environment parameters stop ``tandem up`` before anything starts.
 """
@@ -43,7 +46,11 @@ RUN_ELSEWHERE = {"support_desk": "tests/e2e/test_three_agents_e2e.py", "tool_rel
                  "demo": "tests/unit/test_matchups.py", "shared_base": "tests/e2e/test_shared_base_run.py",
                  "compare_frozen": "tests/unit/test_sweep.py",  # its frozen set-up: a tic-tac-toe agent not trained
                  "guess_number": "guess_demo"}  # the same environment, other parameters
-CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE)
+# configs played in process (test_config_plays_in_process): the services of the runs below, another environment
+IN_PROCESS = {"answer_then_answer", "code_critic", "debate", "demo_long", "doctor_patient", "explore_exploit",
+              "guess_demo", "math", "math_critic", "tool_math", "twenty_questions"}
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml")
+                 if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE and p.stem not in IN_PROCESS)
 
 
 def tandem_up(config: Path, tmp: Path, model: Path, extra: dict[str, str] | None = None,
