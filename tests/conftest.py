@@ -58,11 +58,16 @@ def cost(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test ``unit``, ``integration`` or ``e2e`` (``make test-unit`` runs the first)."""
+    """Mark every test ``unit``, ``integration`` or ``e2e`` (``make test-unit`` runs the first), and run the
+    costliest class first (a stable sort: each file's tests stay together and in order), so that under
+    pytest-xdist the cheap in-process tests fill both workers at the end instead of one worker finishing a
+    whole run alone."""
+    costs = {}
     for item in items:
-        marker = cost(item)
+        marker = costs[item.nodeid] = cost(item)
         if not item.get_closest_marker(marker):
             item.add_marker(getattr(pytest.mark, marker))
+    items.sort(key=lambda item: -COSTS.index(costs[item.nodeid]))
 
 
 # what the warm start's weights depend on: its code, the code it plays with, and the library versions
