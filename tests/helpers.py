@@ -121,10 +121,12 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, proc: subp
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def launch_up(config: Path, *flags: str, stdout: Any, text: bool = False) -> subprocess.Popen:
-    """``tandem up CONFIG FLAGS`` as a child run from the repository root, its output and errors to ``stdout``."""
+def launch_up(config: Path, *flags: str, stdout: Any, text: bool = False,
+              new_session: bool = False) -> subprocess.Popen:
+    """``tandem up CONFIG FLAGS`` as a child run from the repository root, its output and errors to ``stdout``;
+    with ``new_session``, in a process group of its own (as a terminal starts it: ``os.killpg`` is its Ctrl-C)."""
     return subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(config), *flags], cwd=REPO,
-                            stdout=stdout, stderr=subprocess.STDOUT, text=text)
+                            stdout=stdout, stderr=subprocess.STDOUT, text=text, start_new_session=new_session)
 
 
 def run_up(config: Path, *flags: str, env: dict[str, str] | None = None,

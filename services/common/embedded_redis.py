@@ -77,8 +77,9 @@ class EmbeddedRedis:
     """Start with ``start()``; ``url`` (with the password) is then usable; ``stop()`` ends it.
 
     The server takes its configuration on stdin, so the generated password never shows in a process
-    list; it listens on 127.0.0.1 only, logs to ``valkey.log`` in its data directory, and gets the
-    parent-death signal (it never outlives the process that started it). ``restart()`` starts it again
+    list; it listens on 127.0.0.1 only, logs to ``valkey.log`` in its data directory, runs in a session of its
+    own (a terminal's Ctrl-C reaches only its owner) and gets the parent-death signal (it never outlives the
+    process that started it). ``restart()`` starts it again
     on the same port, password and AOF, so clients holding ``url`` reconnect to the same data.
     """
 
@@ -113,8 +114,10 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 15.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # a session of its own: a terminal's Ctrl-C (SIGINT to the launcher's whole process group) does not stop
+        # the server under the services still writing their last state; its owner stops it last (``stop``)
         self.proc = subprocess.Popen([server_binary(), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+                                     stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(), start_new_session=True)
         assert self.proc.stdin is not None
         self.proc.stdin.write(self.config_text().encode())
         self.proc.stdin.close()

@@ -395,7 +395,9 @@ def _train_logs(run: str, redis_url: str | None, data: Path | None) -> dict[str,
 @pytest.mark.slow
 @pytest.mark.parametrize("redis", ["embedded", "external"])
 def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, tiny_model_dir, redis, request):
-    """SIGINT mid-training, then --resume: every step once, no sample trained twice, the end evaluation."""
+    """Ctrl-C mid-training (SIGINT to the launcher's whole process group, as a terminal sends it), then --resume:
+    the services stop cleanly (the embedded Valkey outlives them), every step once, no sample trained twice, the
+    end evaluation."""
     total = 4
     extra = {"redis_url": request.getfixturevalue("redis_url")} if redis == "external" else {}
     log = tmp_path / "launcher.log"
@@ -404,14 +406,17 @@ def test_resume_continues_an_interrupted_run_to_the_end(tmp_path, tiny_model_dir
     data.update(extra)
     data["environment"]["alternate_roles"] = True  # the untrained model ends games early: both must move first
     path.write_text(yaml.safe_dump(data))
-    proc = launch_up(path, stdout=log.open("w"), text=True)
+    proc = launch_up(path, stdout=log.open("w"), text=True, new_session=True)
     proc.api = f"http://127.0.0.1:{data['api']['port']}"  # type: ignore[attr-defined]
     try:
         _wait_for(lambda: _steps(proc) >= 2, 400, "two training steps", proc, log)
-        assert _stop(proc, signal.SIGINT) == 130
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
     finally:
         _stop(proc, signal.SIGKILL)
     assert "--resume" in log.read_text()
+    coordinator = (tmp_path / "runs" / "resumed" / "logs" / "coordinator.log").read_text()
+    assert "cannot record group" not in coordinator and "ConnectionError" not in coordinator, coordinator[-3000:]
     res = subprocess.run([sys.executable, "-m", "services.launcher.cli", "up", str(path), "--resume"], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
