@@ -13,8 +13,9 @@ TORCH_PIP := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 CONFIG ?= configs/demo.yaml
 # make run UP_FLAGS=--resume continues the demo run; UP_FLAGS=--fresh deletes it and starts over
 UP_FLAGS ?=
-# pytest-xdist workers for make test (the machines have 2 cores). `--dist loadfile` hands out whole files, the
-# costliest class first (tests/conftest.py): with xdist's default, one worker got the whole end-to-end folder
+# pytest-xdist workers for make test (the machines have 2 cores). `--dist loadfile --no-loadscope-reorder` hands out
+# whole files in collection order, the costliest class first (tests/conftest.py): with xdist's default, one worker
+# got the whole end-to-end folder, and loadfile's own order (files with the most tests first) left it for the end
 TEST_WORKERS ?= 2
 # SGLang itself, without its (GPU) dependencies: the contract test reads its request structs.
 SGLANG_SPEC ?= sglang==0.5.23
@@ -88,7 +89,7 @@ dashboard-assets:
 # the compose run (tests/e2e/test_compose_run.py) builds images: its own target, test-compose
 test: install browser cookbook-venv docs
 	$(VENV)/bin/ruff check services tests docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 --ignore=tests/e2e/test_compose_run.py
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 --ignore=tests/e2e/test_compose_run.py
 
 # the generated reference is current, and the site builds with strict link checking (into build/site)
 docs: install
