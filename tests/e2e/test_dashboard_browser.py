@@ -229,8 +229,26 @@ def test_archived_transcripts_can_be_browsed_and_the_page_fits_1400_and_800_px(l
         shot = screenshot(driver, width, f"dashboard-{width}.png")
         assert shot.stat().st_size > 20_000
         _check_charts(driver, lambda: _status(live))
-        assert driver.execute_script("return document.documentElement.scrollWidth") <= width  # no sideways scroll
+        _no_sideways_scroll(driver, width)
     driver.set_window_size(1400, 2200)
+
+
+# the elements that reach past the page's right edge, widest first (what a failure names)
+OVERFLOWING = """const w = document.documentElement.clientWidth; return [...document.querySelectorAll('body *')]
+  .map(e => [Math.round(e.getBoundingClientRect().right), e.tagName + (e.id ? '#' + e.id : '') +
+             (e.className && typeof e.className === 'string' ? '.' + e.className.split(' ').join('.') : '')])
+  .filter(([r]) => r > w).sort((a, b) => b[0] - a[0]).slice(0, 8);"""
+
+
+def _no_sideways_scroll(driver, width: int) -> None:
+    """The page is no wider than the window once its layout has settled (the charts take their new width from a
+    ResizeObserver, a frame or more after the window's change); a failure names what overflows."""
+    try:
+        _wait(lambda: driver.execute_script("return document.documentElement.scrollWidth") <= width, 10,
+              f"a page no wider than {width} px")
+    except AssertionError:
+        raise AssertionError(f"the page scrolls sideways at {width} px: "
+                             f"{driver.execute_script(OVERFLOWING)}") from None
 
 
 def _click(driver, cmd: str) -> str:
