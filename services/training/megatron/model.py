@@ -11,7 +11,6 @@ torch.distributed (gloo on CPU, nccl on GPU) and megatron's parallel state.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import PretrainedConfig
+
+from services.common.embedded_redis import free_port
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -123,12 +124,6 @@ def build_model(hf: PretrainedConfig, on_gpu: bool = False) -> GPTModel:
     return model.cuda() if on_gpu else model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, on_gpu: bool | None = None) -> bool:
     """Start torch.distributed (torchrun's env, else a world of one) and megatron's groups, on the GPUs
     (nccl) when ``on_gpu`` (default: whenever torch sees one), else on the CPU over gloo.
@@ -143,7 +138,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, on_gpu: bool | None =
             torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
         else:
             torch.distributed.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1,
-                                                 init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                                 init_method=f"tcp://127.0.0.1:{free_port()}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if on_gpu:
