@@ -57,7 +57,7 @@ def phases(metrics: dict[str, Any], groups_per_batch: int) -> list[dict[str, flo
     done = system_step_times(metrics)
     played = [max(ts) for ts in zip(*[batch_ends(a["group_rewards"], groups_per_batch) for a in metrics.values()],
                                     strict=False)]
-    trainer = [max(ts) for ts in zip(*[[float(s["metrics"].get("train_seconds", 0.0)) for s in
+    trainer = [max(ts) for ts in zip(*[[float(s.get("train_seconds") or 0.0) for s in
                                         sorted(a["train_steps"], key=lambda s: s["weight_version"])]
                                        for a in metrics.values()], strict=False)]
     return [{"play_s": played[k] - done[k - 1], "train_s": done[k] - played[k], "trainer_s": trainer[k]}

@@ -4,14 +4,18 @@ the in-process loop plays a step (tests/bench/bench_llm_system.py, tests/bench/i
 from __future__ import annotations
 
 from services.contracts.config import load_config
+from services.contracts.records import TrainLogRecord
+from services.coordinator.state import train_step_entry
 from tests.bench.bench_llm_system import batch_ends, phases
 from tests.bench.inprocess_loop import step_groups
 
 
 def agent_metrics(groups: list[float], steps: list[tuple[float, float]]) -> dict:
+    """An agent's ``metrics.json`` entry, its train steps as the coordinator keeps them (services/coordinator/events.py:
+    the committed record's entry and the event's time)."""
     return {"group_rewards": [[t, 0.5] for t in groups],
-            "train_steps": [{"weight_version": v, "time": t, "metrics": {"train_seconds": s}}
-                            for v, (t, s) in enumerate(steps, 1)]}
+            "train_steps": [{**train_step_entry(TrainLogRecord(weight_version=v, metrics={"train_seconds": s})),
+                             "time": t} for v, (t, s) in enumerate(steps, 1)]}
 
 
 def test_batch_ends_take_every_batch_last_group() -> None:
