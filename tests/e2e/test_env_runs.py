@@ -47,8 +47,9 @@ RUN_ELSEWHERE = {"support_desk": "tests/e2e/test_three_agents_e2e.py", "tool_rel
                  "compare_frozen": "tests/unit/test_sweep.py",  # its frozen set-up: a tic-tac-toe agent not trained
                  "guess_number": "guess_demo"}  # the same environment, other parameters
 # configs played in process (test_config_plays_in_process): the services of the runs below, another environment
-IN_PROCESS = {"answer_then_answer", "code_critic", "debate", "demo_long", "doctor_patient", "explore_exploit",
-              "guess_demo", "math", "math_critic", "tool_math", "twenty_questions"}
+# (llm_answer's LoRA agents: their adapters train and sync through tandem up in test_shared_base_run and test_pipeline)
+IN_PROCESS = {"answer_then_answer", "code", "code_critic", "debate", "demo_long", "doctor_patient", "explore_exploit",
+              "guess_demo", "llm_answer", "math", "math_critic", "math_dataset", "tool_math", "twenty_questions"}
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml")
                  if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE and p.stem not in IN_PROCESS)
 
