@@ -5,9 +5,10 @@ trainers, coordinator — with ``TANDEM__`` overrides that make it one training
 step of small groups and a two-episode evaluation. The demo model is a byte-level
 tic-tac-toe player, so outside tic-tac-toe its replies are junk: the point is
 that the pipeline runs and that rewards and penalties reach the trainers.
-Configs whose services are those of a config run here (two GRPO agents on the torch trainer and the embedded
-engine), and differ only in their environment and its parameters, are played in process instead: their
-training matchups and their evaluation, on in-process engines, through the coordinator's own episode code.
+Configs whose services are those of a run made here or in another end-to-end test (GRPO agents on the torch trainer
+and the embedded engine), and differ only in their environment and its parameters, are played in process instead
+(tests/integration/test_config_play.py): their training matchups and their evaluation, on in-process engines,
+through the coordinator's own episode code.
 Also: a plug-in environment from a test module runs by its ``module:Class`` path,
 and bad environment parameters stop ``tandem up`` before anything starts.
 """
@@ -46,10 +47,12 @@ RUN_ELSEWHERE = {"support_desk": "tests/e2e/test_three_agents_e2e.py", "tool_rel
                  "demo": "tests/unit/test_matchups.py", "shared_base": "tests/e2e/test_shared_base_run.py",
                  "compare_frozen": "tests/unit/test_sweep.py",  # its frozen set-up: a tic-tac-toe agent not trained
                  "guess_number": "guess_demo"}  # the same environment, other parameters
-# configs played in process (test_config_plays_in_process): the services of the runs below, another environment
-# (llm_answer's LoRA agents: their adapters train and sync through tandem up in test_shared_base_run and test_pipeline)
-IN_PROCESS = {"answer_then_answer", "code", "code_critic", "debate", "demo_long", "doctor_patient", "explore_exploit",
-              "guess_demo", "llm_answer", "math", "math_critic", "math_dataset", "tool_math", "twenty_questions"}
+# configs played in process (test_config_plays_in_process): the services of runs made through tandem up here or in
+# other end-to-end tests (one, two or three GRPO agents on the torch trainer and the embedded engine: test_e2e,
+# test_three_agents_e2e; LoRA agents such as llm_answer's: test_shared_base_run, test_pipeline), another environment
+IN_PROCESS = {"answer_then_answer", "code", "code_critic", "debate", "debate_agent_judge", "demo_long",
+              "doctor_patient", "explore_exploit", "guess_demo", "llm_answer", "math", "math_critic", "math_dataset",
+              "textarena_tictactoe", "tool_math", "twenty_questions"}
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml")
                  if _runs_on_cpu(p) and p.stem not in RUN_ELSEWHERE and p.stem not in IN_PROCESS)
 

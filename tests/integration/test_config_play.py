@@ -41,14 +41,16 @@ def config(name: str, model: Path) -> TandemConfig:
 
 
 async def play(cfg: TandemConfig) -> tuple[list[EpisodeResult], dict[str, dict[str, Any]]]:
-    """Every training matchup's episodes, then each trained agent's evaluation against every opponent."""
+    """Every training matchup's episodes (both ways round where the config alternates the roles), then each trained
+    agent's evaluation against every opponent."""
     env_cls = check_environment_config(cfg.environment)
     env_cfg = cfg.environment
     players = EnginePlayers({a: Engine(c.model_path) for a, c in cfg.agents.items()})
     sampling = {AgentPlayer(agent=a): c.sampling for a, c in cfg.agents.items()}
     try:
         results: list[EpisodeResult] = []
-        for index in range(len(env_cfg.training_maps())):
+        seatings = len(env_cfg.training_maps()) * (2 if env_cfg.alternate_roles else 1)  # each map, sides swapped
+        for index in range(seatings):
             roles = env_cfg.group_roles(index)
             results += await asyncio.gather(*(players.play(
                 env_cls(env_cfg.env_params(), seed), f"g{index}-e{seed}", f"g{index}", roles, sampling, "train",
