@@ -16,8 +16,8 @@ import sys
 import uvicorn
 
 from services.common.admin_token import token_from_env
+from services.common.startup import startup
 from services.common.weights_auth import run_secret, secret_problem
-from services.engine.server import create_app
 
 # Idle keep-alive connections are kept longer than HTTP clients keep theirs (httpx and aiohttp: 5 s
 # and 15 s), so a client never reuses a connection that the engine is closing at that moment.
@@ -70,13 +70,16 @@ def main(argv: list[str] | None = None) -> None:
     secret = run_secret() if args.agent is not None else None
     if secret is None:
         logging.getLogger("tandem.engine").warning("no --agent: weight loads are guarded by the admin token alone")
-    app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
-                     engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
-                     admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
-                     device=args.device, dtype=args.dtype, weights_secret=secret, agent=args.agent,
-                     shared_with=tuple(args.shared_with),
-                     engine_options={"prefix_cache_mb": args.prefix_cache_mb,
-                                     "step_delay_s": args.step_delay_ms / 1000})
+    with startup():  # torch, transformers and the model: no collector passes over their objects
+        from services.engine.server import create_app
+
+        app = create_app(args.model_path, weight_version=args.weight_version, max_batch=args.max_batch,
+                         engine_id=args.engine_id, admit_quiet_s=args.admit_quiet_ms / 1000,
+                         admit_window_s=args.admit_window_ms / 1000, admin_token=token_from_env(),
+                         device=args.device, dtype=args.dtype, weights_secret=secret, agent=args.agent,
+                         shared_with=tuple(args.shared_with),
+                         engine_options={"prefix_cache_mb": args.prefix_cache_mb,
+                                         "step_delay_s": args.step_delay_ms / 1000})
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_S, http=args.http, loop=args.loop)
 

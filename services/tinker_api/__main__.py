@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.common.cli_args import SERVE_DESCRIPTION, add_serve_arguments
 from services.common.embedded_redis import EmbeddedRedis
+from services.common.startup import startup
 from services.tinker_api.config import ConfigFileError, ensure_auth, load_serve_config
 
 
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
-    from services.tinker_api.app import create_app
+    with startup():  # torch, transformers and peft: no collector passes over their objects
+        from services.tinker_api.app import create_app
 
     redis = None
     if cfg.redis_url is None:

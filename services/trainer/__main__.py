@@ -18,6 +18,7 @@ from services.common.service import (
     setup_logging,
     watch_control,
 )
+from services.common.startup import startup
 from services.common.weights_auth import secret_problem
 from services.training.backends import make_policy
 
@@ -29,13 +30,14 @@ async def main_async(config: str, agent: str) -> int:
         log.error("%s", no_secret)
         return 2
     acfg = cfg.agents[agent]
-    from services.trainer.service import TrainerService  # torch: only now
+    with startup():  # torch, transformers and the model: no collector passes over their objects
+        from services.trainer.service import TrainerService  # torch: only now
 
-    try:
-        policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
-    except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: name the field, stop
-        log.error("invalid config %s: agents.%s.%s", config, agent, exc)
-        return 2
+        try:
+            policy = await asyncio.to_thread(make_policy, acfg, acfg.sampling.temperature)
+        except ValueError as exc:  # a bad algorithm plug-in, LoRA target, megatron layout ...: name the field, stop
+            log.error("invalid config %s: agents.%s.%s", config, agent, exc)
+            return 2
     if policy.follower:  # megatron under torchrun: ranks > 0 run what rank 0 runs
         if os.environ.get("LOCAL_RANK", "0") == "0":  # a follower pod (other nodes) still answers its probes
             await serve_health_during(f"trainer.{agent}", lambda: asyncio.to_thread(policy.follow))
