@@ -72,7 +72,8 @@ def records(result: EpisodeResult, env_name: str, measures: tuple[str, ...] | No
 
 async def collect(cfg: TandemConfig, checkpoints: dict[str, str], episodes: int, out: Path,
                   min_reward: float | None = None) -> dict[str, int]:
-    """Play and write; returns how many records were kept and how many were dropped by ``min_reward``."""
+    """Play and write; returns how many records were kept, how many were dropped by ``min_reward``, and how many
+    model roles were ``silent`` (their episode ended before their first turn: no record)."""
     env_cls = check_environment_config(cfg.environment)
     roles = seat_players(cfg, checkpoints)
     local = LocalPlayers()
@@ -82,7 +83,7 @@ async def collect(cfg: TandemConfig, checkpoints: dict[str, str], episodes: int,
     sampling = {p: cfg.agents[p.agent].sampling for p in models}
     rng = random.Random(cfg.run.seed)
     seeds = [rng.randrange(1 << 31) for _ in range(episodes)]
-    kept = dropped = 0
+    kept = dropped = silent = 0
     await asyncio.to_thread(_start, out)
     try:
         for start in range(0, episodes, CONCURRENT):
@@ -92,7 +93,9 @@ async def collect(cfg: TandemConfig, checkpoints: dict[str, str], episodes: int,
                 for i, seed in enumerate(seeds[start:start + CONCURRENT])))
             lines = []
             for result in batch:
-                for rec in records(result, cfg.environment.name, env_cls.summary_measures):
+                recs = records(result, cfg.environment.name, env_cls.summary_measures)
+                silent += sum(isinstance(p, Local) for p in result.roles.values()) - len(recs)
+                for rec in recs:
                     if min_reward is not None and rec["reward"] < min_reward:
                         dropped += 1
                     else:
@@ -101,7 +104,7 @@ async def collect(cfg: TandemConfig, checkpoints: dict[str, str], episodes: int,
             await asyncio.to_thread(_append, out, lines)
     finally:
         local.close()
-    return {"kept": kept, "dropped": dropped}
+    return {"kept": kept, "dropped": dropped, "silent": silent}
 
 
 def _start(path: Path) -> None:
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ValueError) as exc:
         print(f"tandem collect: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"{args.out}: {counts['kept']} trajectories written, {counts['dropped']} below --min-reward")
+    print(f"{args.out}: {counts['kept']} trajectories written, {counts['dropped']} below --min-reward, "
+          f"{counts['silent']} roles with no turn (their episode ended first)")
 
 
 if __name__ == "__main__":

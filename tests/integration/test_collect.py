@@ -55,6 +55,7 @@ def test_collect_writes_chat_records_with_rewards_and_versions(relay_config: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 8 and "8 trajectories written" in proc.stdout  # 4 episodes x 2 model roles
+    assert "0 below --min-reward, 0 roles with no turn" in proc.stdout  # the buyer always gets the report
     for row in rows:
         roles = [m["role"] for m in row["messages"]]
         assert roles[0] == ("system" if row["role"] == "researcher" else "user") and roles[-1] == "assistant"
