@@ -110,7 +110,7 @@ class Injector:
 
 def forged(sample: Sample, **changes: Any) -> Sample:
     """A copy of ``sample`` with ``changes``, built without validation (as a hostile writer would)."""
-    return Sample.model_construct(**{**sample.model_dump(), **changes})
+    return Sample.model_construct(**{**dict(sample), **changes})  # its fields as they are (turns stay TurnSpans)
 
 
 def waiting_samples(client: redis.Redis, agent: str) -> list[tuple[bytes, Sample]]:

@@ -70,7 +70,7 @@ def dead_letter_one_sample(client: redis.Redis, group: ProcessGroup, path: Path)
 
     entry_id, fields = _wait(undelivered, 600, "a sample A's buffer was not delivered")
     sample = decode(fields[FIELD], Sample)
-    bad = Sample.model_construct(**{**sample.model_dump(), "loss_mask": [0] * len(sample.tokens)})
+    bad = Sample.model_construct(**{**dict(sample), "loss_mask": [0] * len(sample.tokens)})
     with client.pipeline(transaction=True) as pipe:
         pipe.xdel(stream, entry_id)
         pipe.xadd(stream, {FIELD: encode(bad)})
