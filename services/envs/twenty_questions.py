@@ -16,6 +16,8 @@ Protocol
   With ``facts`` the answerer is also told the object's row of the table (the attributes it has, "nothing
   else" for the rest): the table is this game's truth, which a model's own knowledge need not share (a kite
   is red here), so answering becomes reading the facts, a skill that carries to objects never trained on.
+  With ``notes`` each question comes with the table's answer to it ("Your note: red: no."), so answering is
+  reading one fact.
 Each role's default system message (``default_system``) tells a chat model this protocol.
 
 Rewards
@@ -124,6 +126,8 @@ class TwentyQuestionsParams(ChatParams, HeldOutParams):
                          "drawn per episode from the split's objects (the secret one of them); 0: every object")
     facts: bool = Field(False, description="the answerer is told the secret object's attributes from the table "
                         "(those it has; 'nothing else' for the rest) and asked to answer as they say")
+    notes: bool = Field(False, description="each question to the answerer comes with the table's answer to it as a "
+                        "note ('Your note: red: no.'): answering becomes reading one fact")
     clue: bool = Field(False, description="the answerer first answers the question that best splits the objects, "
                        "asked by the environment; the asker sees the answer and starts with it (costs no question)")
 
@@ -171,7 +175,7 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         self.clue = self.params.clue and splitting_attribute(self.candidates)  # asked before the asker's first turn
         if self.clue:
             self.pending, self.to_act = self.clue, "answerer"
-            self.answerer_note += f" Question: Is it {self.clue}? Answer yes or no."
+            self.answerer_note += " " + self._question(self.clue)
 
     def _draw_choices(self, objects: list[str]) -> list[str]:
         """``choices`` objects of the split (all of them when it holds fewer), the secret among them, shuffled."""
@@ -179,6 +183,12 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         drawn = self.rng.sample(others, min(self.params.choices, len(objects)) - 1) + [self.secret]
         self.rng.shuffle(drawn)
         return drawn
+
+    def _question(self, attribute: str) -> str:
+        """A question to the answerer; under ``notes`` with the table's answer as its note."""
+        truth = "yes" if TABLE[self.secret][attribute] else "no"
+        note = f" Your note: {attribute}: {truth}." if self.params.notes else ""
+        return f"Question: Is it {attribute}?{note} Answer yes or no."
 
     def _facts(self) -> str:
         """The secret object's row of the table, as the answerer is told it under ``facts``."""
@@ -189,6 +199,9 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
     def default_system_prompt(self, role: str) -> str:
         """The asker's names this episode's objects when ``choices`` draws them; under ``facts`` the answerer's
         says to answer from the facts."""
+        if role == "answerer" and self.params.notes:
+            return ("We play twenty questions. You know the secret object. Each question comes with your note of "
+                    "its answer. Answer with one word, 'yes' or 'no', as your note says. Write nothing else.")
         if role == "answerer" and self.params.facts:
             return ("We play twenty questions. You know the secret object and its facts. Answer each question "
                     "about it with one word, 'yes' or 'no', as its facts say. Write nothing else.")
@@ -248,8 +261,7 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         if word in ATTRIBUTES:
             self.pending = word
             self.to_act = "answerer"
-            self.answerer_note = ((self.answerer_note + " " if self.answerer_note else "")
-                                  + f"Question: Is it {word}? Answer yes or no.")
+            self.answerer_note = (self.answerer_note + " " if self.answerer_note else "") + self._question(word)
             return StepResult(done=False, turn_rewards=cost, info={"question": word})
         self.malformed += 1
         self.asker_note = f"That is not a question of the form 'Is it <word>?'. {NEXT}"

@@ -58,13 +58,13 @@ def accuracy(model, tok, questions: list[tuple[int, int]]) -> float:
                for g, (a, b) in zip(gen, questions, strict=True)) / len(questions)
 
 
-def grpo_step(model, tok, opt, questions: list[tuple[int, int]], n: int) -> float:
+def grpo_update(model, tok, opt, prompts: list[list[int]], score, n: int, max_new: int = 12) -> float:
+    """One GRPO step: ``n`` samples of each prompt at temperature 1, each scored by ``score(i, reply)`` (``i``:
+    the prompt's index), advantages normalised within each prompt's group; returns the mean reward."""
     model.eval()
-    prompts = [prompt_ids(tok, a, b) for a, b in questions]
-    gen = generate(model, tok, prompts, n, False, 12)
-    rewards = torch.tensor([reward(tok.decode(g, skip_special_tokens=True), a + b)
-                            for g, (a, b) in zip(gen, [q for q in questions for _ in range(n)], strict=True)])
-    grouped = rewards.view(len(questions), n)
+    gen = generate(model, tok, prompts, n, False, max_new)
+    rewards = torch.tensor([score(i // n, tok.decode(g, skip_special_tokens=True)) for i, g in enumerate(gen)])
+    grouped = rewards.view(len(prompts), n)
     adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1)
     model.train()
     rows = [prompts[i // n] + g for i, g in enumerate(gen)]
@@ -84,6 +84,19 @@ def grpo_step(model, tok, opt, questions: list[tuple[int, int]], n: int) -> floa
     return float(rewards.mean())
 
 
+def grpo_step(model, tok, opt, questions: list[tuple[int, int]], n: int) -> float:
+    prompts = [prompt_ids(tok, a, b) for a, b in questions]
+    return grpo_update(model, tok, opt, prompts, lambda i, reply: reward(reply, sum(questions[i])), n)
+
+
+def lora_model(path: str, lr: float = 2e-4):
+    """The model at ``path`` with LoRA r 8 on q/k/v/o, and its AdamW optimiser."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                 "o_proj"], lora_dropout=0.0))
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -97,10 +110,7 @@ def main() -> None:
     rng.shuffle(every)
     held_out, train = every[:48], every[48:]
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                 "o_proj"], lora_dropout=0.0))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    model, opt = lora_model(args.model)
     start = accuracy(model, tok, held_out)
     times, mean_rewards = [], []
     for _ in range(args.steps):

@@ -86,3 +86,21 @@ def test_facts_tell_the_answerer_the_secret_row_and_answering_from_them_is_truth
         assert env.truthful == 1 and env.lies == 0 and yes_no(reply) == TABLE[env.secret][asked]
     assert "It is" not in TwentyQuestions(PARAMS, 0).observation("answerer").split("Question")[0].replace(
         "The secret object is", "")
+
+
+def test_notes_give_each_question_its_answer_and_answering_as_they_say_is_truthful() -> None:
+    import re
+
+    for seed in range(40):
+        env = TwentyQuestions({**PARAMS, "notes": True}, seed)
+        assert "as your note says" in (env.system_prompt("answerer") or "")
+        done = False
+        while not done and env.current_role() == "answerer":
+            note = env.observation("answerer")
+            attribute, said = re.findall(r"Your note: ([a-z]+): (yes|no)\.", note)[-1]
+            assert attribute == env.pending and (said == "yes") == TABLE[env.secret][attribute], note
+            done = asyncio.run(env.step("answerer", f"{said.capitalize()}.")).done
+            if not done:  # the asker asks the attribute that splits what is left (or guesses: the episode ends)
+                done = asyncio.run(env.step("asker", env.scripted_reply("asker", "halving", random.Random(0)))).done
+        assert env.lies == 0 and env.truthful >= 1, env.summary()
+    assert "Your note" not in TwentyQuestions(PARAMS, 0).observation("answerer")
