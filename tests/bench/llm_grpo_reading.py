@@ -3,7 +3,7 @@ q/k/v/o, 16 questions x 4 samples a step at temperature 1) on the patient's task
 its core: the model is a patient whose notes list ``--facts`` yes/no symptoms ("fever: yes, rash: no, ..."),
 the asked one among them, and it must answer the doctor's question ("Do you have a rash?") as its notes say.
 Reward +1 for the notes' answer, -1 for the other, -0.5 for a reply with neither yes nor no (the first of the
-two words counts, as ``judge_answer`` reads it). The symptom profiles (2^6) are split: evaluations ask about
+two words counts, as the environments read it). The symptom profiles (2^6) are split: evaluations ask about
 16 profiles never trained on, greedy, 3 symptoms each. Prints one JSON line: the held-out accuracy, malformed
 and yes rates at the start and every ``--every`` steps (answering at random, or always yes or no, gives
 about 0.5).
@@ -17,12 +17,12 @@ import argparse
 import itertools
 import json
 import random
-import re
 import time
 
 import torch
 from transformers import AutoTokenizer
 
+from services.envs.twenty_questions import yes_no
 from tests.bench.llm_grpo_inprocess import generate, grpo_update, lora_model
 
 SYMPTOMS = ("fever", "cough", "rash", "headache", "vomiting", "travel")
@@ -45,16 +45,12 @@ def prompt_ids(tok, case: Case, facts: int) -> list[int]:
     return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
-def said(reply: str) -> str | None:
-    return next((w for w in re.findall(r"[a-z]+", reply.lower()) if w in ("yes", "no")), None)
-
-
 def reward(reply: str, case: Case) -> float:
     profile, asked = case
-    word = said(reply)
-    if word is None:
+    said = yes_no(reply)
+    if said is None:
         return -0.5
-    return 1.0 if (word == "yes") == bool(profile[SYMPTOMS.index(asked)]) else -1.0
+    return 1.0 if said == bool(profile[SYMPTOMS.index(asked)]) else -1.0
 
 
 def evaluate(model, tok, cases: list[Case], facts: int) -> dict[str, float]:
@@ -63,8 +59,8 @@ def evaluate(model, tok, cases: list[Case], facts: int) -> dict[str, float]:
                for g in generate(model, tok, [prompt_ids(tok, c, facts) for c in cases], 1, True, 6)]
     n = len(cases)
     return {"right": round(sum(reward(r, c) == 1.0 for r, c in zip(replies, cases, strict=True)) / n, 3),
-            "malformed": round(sum(said(r) is None for r in replies) / n, 3),
-            "yes": round(sum(said(r) == "yes" for r in replies) / n, 3)}
+            "malformed": round(sum(yes_no(r) is None for r in replies) / n, 3),
+            "yes": round(sum(yes_no(r) is True for r in replies) / n, 3)}
 
 
 def main() -> None:
