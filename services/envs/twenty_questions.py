@@ -197,8 +197,8 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
                                                          + ", ".join(ATTRIBUTES) + ".")
 
     def default_system_prompt(self, role: str) -> str:
-        """The asker's names this episode's objects when ``choices`` draws them; under ``facts`` the answerer's
-        says to answer from the facts."""
+        """The asker's names this episode's objects when ``choices`` draws them; under ``notes`` (or ``facts``)
+        the answerer's says to answer as the notes (or the facts) say."""
         if role == "answerer" and self.params.notes:
             return ("We play twenty questions. You know the secret object. Each question comes with your note of "
                     "its answer. Answer with one word, 'yes' or 'no', as your note says. Write nothing else.")
