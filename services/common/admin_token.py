@@ -4,7 +4,9 @@ The rollout makes one token for the engines and the router it starts (``new_toke
 through the environment (``ADMIN_TOKEN_ENV``; an argument would be readable by every local user in the
 process list). The embedded engine requires it on its admin routes, the SGLang router on its worker admin
 API; callers send it as ``Authorization: Bearer <token>`` (``bearer``). Every check compares in constant
-time (``authorized``), as the coordinator API does with ``api.token``.
+time (``authorized``), as the coordinator API does with ``api.token``. Where services in separate containers
+must share one token (two rollouts on one engine fleet), each is given the same mounted secret file
+(``ADMIN_TOKEN_FILE_ENV``) instead of an environment value.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import hmac
 import os
 import secrets
 
+from services.contracts.config import read_secret
+
 ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE_ENV = "TANDEM_ADMIN_TOKEN_FILE"
 
 
 def new_token() -> str:
@@ -22,8 +27,13 @@ def new_token() -> str:
 
 
 def token_from_env() -> str | None:
-    """The admin token this process was given (``$TANDEM_ADMIN_TOKEN``), or None."""
-    return os.environ.get(ADMIN_TOKEN_ENV) or None
+    """The admin token this process was given: ``$TANDEM_ADMIN_TOKEN``, else the content of the file that
+    ``$TANDEM_ADMIN_TOKEN_FILE`` names (a ``ConfigError`` naming the variable if it is unreadable or empty),
+    or None."""
+    if os.environ.get(ADMIN_TOKEN_ENV):
+        return os.environ[ADMIN_TOKEN_ENV]
+    path = os.environ.get(ADMIN_TOKEN_FILE_ENV)
+    return read_secret(ADMIN_TOKEN_FILE_ENV, path) if path else None
 
 
 def bearer(token: str | None) -> dict[str, str]:

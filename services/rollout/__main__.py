@@ -30,12 +30,14 @@ def spawn_early(argv: list[str]) -> Spawned | None:
 
     if secret_problem() is not None:  # the full path below names the missing secret and exits 2
         return None
+    from services.common.admin_token import token_from_env
     from services.contracts.config import ConfigError, load_config
     from services.contracts.sharing import sharers
     from services.rollout.spawn import spawn_early as start
 
     try:
         cfg = load_config(known.config)
+        token_from_env()  # a token file that does not read: the full path below names it and exits 2
     except ConfigError:
         return None
     if known.agent not in cfg.agents or not cfg.redis_url or cfg.agents[known.agent].share_engines_with:
@@ -44,6 +46,7 @@ def spawn_early(argv: list[str]) -> Spawned | None:
 
 
 async def main_async(config: str, agent: str, router_url: str | None, early: Spawned | None = None) -> int:
+    from services.common.admin_token import token_from_env
     from services.common.bus import Bus
     from services.common.service import load_or_exit, run_service, setup_logging, watch_control
     from services.common.weights_auth import secret_problem
@@ -57,6 +60,7 @@ async def main_async(config: str, agent: str, router_url: str | None, early: Spa
         return 2
     try:
         router_url = router_url or shared_router_url(cfg, agent)  # a fleet shared with another agent: its router
+        token_from_env()  # $TANDEM_ADMIN_TOKEN_FILE names a file that does not read: said here, at start
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

@@ -1,6 +1,6 @@
 """Secrets reach the services as mounted files (compose volumes, Kubernetes Secrets): the variables that name
-them (``TANDEM_API_TOKEN_FILE``, ``TANDEM_TINKER_API_KEYS_FILE``) are read at start, and a missing or empty
-file fails the start naming the variable."""
+them (``TANDEM_API_TOKEN_FILE``, ``TANDEM_TINKER_API_KEYS_FILE``, ``TANDEM_ADMIN_TOKEN_FILE``) are read at
+start, and a missing or empty file fails the start naming the variable."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.admin_token import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, token_from_env
 from services.contracts.config import ConfigError, apply_env_overrides, parse_config
 from services.tinker_api.config import ConfigFileError, load_serve_config
 
@@ -38,3 +39,22 @@ def test_the_tinker_api_keys_come_from_their_file(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("TANDEM_TINKER_API_KEYS_FILE", str(tmp_path / "nothing"))
     with pytest.raises(ConfigFileError, match="TANDEM_TINKER_API_KEYS_FILE: cannot read"):
         load_serve_config(None)
+
+
+def test_the_admin_token_comes_from_its_value_or_its_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_TOKEN_FILE_ENV, raising=False)
+    assert token_from_env() is None  # the rollout then makes one
+    token = tmp_path / "admin-token"
+    token.write_text("abc123\n")
+    monkeypatch.setenv(ADMIN_TOKEN_FILE_ENV, str(token))
+    assert token_from_env() == "abc123"  # two rollouts on one fleet mount the same file
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "given")
+    assert token_from_env() == "given"  # what a rollout hands its own engines and router
+    monkeypatch.delenv(ADMIN_TOKEN_ENV)
+    token.write_text("  \n")
+    with pytest.raises(ConfigError, match=r"TANDEM_ADMIN_TOKEN_FILE: .*admin-token is empty"):
+        token_from_env()
+    monkeypatch.setenv(ADMIN_TOKEN_FILE_ENV, str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match=r"TANDEM_ADMIN_TOKEN_FILE: cannot read .*nothing"):
+        token_from_env()
