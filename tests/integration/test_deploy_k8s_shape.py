@@ -16,7 +16,7 @@ import yaml
 
 from tests.deploy_inventory import REPO, strictly_valid, tool
 
-KUSTOMIZATIONS = ("overlays/cpu", "overlays/gpu", "tinker-api")
+KUSTOMIZATIONS = ("overlays/cpu", "overlays/gpu", "overlays/cpu-shared-base", "tinker-api")
 K8S = REPO / "deploy" / "k8s"
 SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|API_KEYS", re.I)
 
@@ -81,7 +81,7 @@ def test_every_claim_names_the_storage_class_parameter(path):
     assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("tandem-storage")]
 
 
-@pytest.mark.parametrize("path", ["overlays/cpu", "overlays/gpu"])
+@pytest.mark.parametrize("path", ["overlays/cpu", "overlays/gpu", "overlays/cpu-shared-base"])
 def test_the_run_is_finite_and_bounded(path):
     docs = render(path)
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")}
@@ -98,7 +98,7 @@ def test_the_run_is_finite_and_bounded(path):
     assert pdb["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "redis"}
 
 
-@pytest.mark.parametrize("path", ["overlays/cpu", "overlays/gpu"])
+@pytest.mark.parametrize("path", ["overlays/cpu", "overlays/gpu", "overlays/cpu-shared-base"])
 def test_only_tandem_pods_reach_redis_and_the_api(path):
     policies = {d["metadata"]["name"]: d["spec"] for d in render(path) if d["kind"] == "NetworkPolicy"}
     for name, target, port in (("redis", "redis", 6379), ("tandem-api", "coordinator", 8900)):

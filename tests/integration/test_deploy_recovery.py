@@ -11,7 +11,7 @@ import yaml
 from tests.deploy_inventory import compose, k8s, run_compose
 
 PROFILES = ("gpu", "cpu")
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-shared-base")
 SERVICES = {"services.coordinator", "services.rollout", "services.buffer", "services.trainer"}
 SHARED = {"redis", "secrets"}  # in every compose topology
 
