@@ -1,13 +1,14 @@
-"""``docker compose up`` for real: the CPU profile, shortened, from images built with no registry.
+"""``docker compose up`` for real: the CPU profile, shortened, from images built with no registry, in both
+shapes: each agent its own engines, and two agents on one base (``deploy/compose-shared-base.yml``).
 
 The base image and Redis's come from Debian's archive (``deploy/base-image.sh``: debootstrap + ``docker
 import``, cached by their tags), the project's images from the wheelhouse (``make wheelhouse``, then
 ``make images OFFLINE=1``).
-The documented command (``docker compose up --exit-code-from coordinator-cpu``) must return the run's exit
-code 0, ``summary.json`` must show every step trained, the report must be readable in ./runs on the host, the
-trainer must have pruned its weight versions (``run.checkpoint_retention``), and ``docker compose down -v``
-must leave no container, volume or network behind. Where no Docker engine answers (``make docker-engine``
-starts one), the test skips naming the reason. ``make test-compose`` runs it.
+The documented command (``docker compose up --attach coordinator-cpu --exit-code-from coordinator-cpu``) must
+return the run's exit code 0, ``summary.json`` must show every step trained, the report must be readable in
+./runs on the host, the trainer must have pruned its weight versions (``run.checkpoint_retention``), and
+``docker compose down -v`` must leave no container, volume or network behind. Where no Docker engine answers
+(``make docker-engine`` starts one), the test skips naming the reason. ``make test-compose`` runs it.
 """
 
 from __future__ import annotations
@@ -80,8 +81,15 @@ def images(engine: None) -> None:
     sh("make", "images", f"BASE_IMAGE={BASE_TAG}", "OFFLINE=1", timeout=1800)
 
 
-def test_compose_up_runs_the_cpu_profile_to_done_and_down_leaves_nothing(images: None, tmp_path: Path):
-    project = f"tandemtest{os.getpid()}"
+# the two shapes: each agent its own engines (configs/demo.yaml), and agents on one base, B's rollout driving A's
+# fleet from A's rollout's network namespace (configs/shared_base.yaml): (compose files beside the main one, run)
+SHAPES = {"per-agent": ([], "demo"), "shared-base": (["deploy/compose-shared-base.yml"], "shared_base")}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_compose_up_runs_the_cpu_profile_to_done_and_down_leaves_nothing(images: None, tmp_path: Path, shape: str):
+    extra, run = SHAPES[shape]
+    project = f"tandemtest{os.getpid()}{shape.replace('-', '')}"
     runs, secrets = tmp_path / "runs", tmp_path / "secrets"
     secrets.mkdir()
     override = tmp_path / "short.yml"
@@ -91,20 +99,24 @@ def test_compose_up_runs_the_cpu_profile_to_done_and_down_leaves_nothing(images:
     }}).replace("ports: []", "ports: !reset []"))
     env = {"TANDEM_RUNS_DIR": str(runs), "TANDEM_SECRETS_DIR": str(secrets), "COMPOSE_PROFILES": "cpu",
            "REDIS_IMAGE": REDIS_TAG}
-    compose = [*compose_cli(), "-p", project, "-f", str(REPO / "docker-compose.yml"), "-f", str(override)]
+    files = [arg for f in ["docker-compose.yml", *extra] for arg in ("-f", str(REPO / f))]
+    compose = [*compose_cli(), "-p", project, *files, "-f", str(override)]
     try:
-        up = sh(*compose, "up", "--no-build", "--exit-code-from", "coordinator-cpu", timeout=1500, env=env,
-                check=False)
+        up = sh(*compose, "up", "--no-build", "--attach", "coordinator-cpu", "--exit-code-from", "coordinator-cpu",
+                timeout=1500, env=env, check=False)
         assert up.returncode == 0, f"compose up exited {up.returncode}:\n{up.stdout[-6000:]}\n{up.stderr[-2000:]}"
-        summary = json.loads((runs / "demo" / "summary.json").read_text())  # on the host, readable
+        summary = json.loads((runs / run / "summary.json").read_text())  # on the host, readable
         assert summary["phase"] == "done" and not summary["error"], summary
         for agent in ("A", "B"):
             assert summary["agents"][agent]["steps"] == STEPS, summary["agents"][agent]
             assert summary["agents"][agent]["last_weight_version"] == STEPS
-        assert (runs / "demo" / "rewards.png").read_bytes()[:4] == b"\x89PNG"
+        assert (runs / run / "rewards.png").read_bytes()[:4] == b"\x89PNG"
         out = tmp_path / "checkpoints"
-        sh(*compose, "cp", "trainer-a-cpu:/checkpoints/demo/A", str(out), env=env)
+        sh(*compose, "cp", f"trainer-a-cpu:/checkpoints/{run}/A", str(out), env=env)
         assert sorted(p.name for p in out.glob("v*")) == ["v00002", "v00003"]  # keep_last 2, v2 evaluated
+        if shape == "shared-base":  # B's rollout, with no engines of its own, loaded B's versions on A's engine
+            logs = sh(*compose, "logs", "--no-color", "rollout-b-cpu", env=env).stdout
+            assert "loaded on 1 engine(s)" in logs, logs[-3000:]
     finally:
         down = sh(*compose, "down", "-v", "--remove-orphans", timeout=300, env=env, check=False)
     assert down.returncode == 0, down.stderr
