@@ -15,8 +15,6 @@ import hmac
 import os
 import secrets
 
-from services.contracts.config import read_secret
-
 ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "TANDEM_ADMIN_TOKEN_FILE"
 
@@ -33,7 +31,11 @@ def token_from_env() -> str | None:
     if os.environ.get(ADMIN_TOKEN_ENV):
         return os.environ[ADMIN_TOKEN_ENV]
     path = os.environ.get(ADMIN_TOKEN_FILE_ENV)
-    return read_secret(ADMIN_TOKEN_FILE_ENV, path) if path else None
+    if not path:
+        return None
+    from services.contracts.config import read_secret  # here: the router's wrapper imports this module lean
+
+    return read_secret(ADMIN_TOKEN_FILE_ENV, path)
 
 
 def bearer(token: str | None) -> dict[str, str]:
