@@ -37,7 +37,7 @@ $pip --no-deps --no-build-isolation .
 $py -m pip uninstall -y -q setuptools wheel pip
 if [ "$role" = slim ]; then
     # bytecode only for what these services import (the checks below write it again): most of transformers
-    # (its 400 model families), fontTools and matplotlib's other backends are never loaded here
+    # (its 500-odd model directories), fontTools and matplotlib's other backends are never loaded here
     find /opt/tandem -name __pycache__ -type d -prune -exec rm -rf {} +
 fi
 $py -c "import services.contracts, services.coordinator.api, services.buffer.store"
