@@ -41,7 +41,7 @@ import random
 import re
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.envs.base import Environment, StepResult
 from services.envs.params import ChatParams, EnvParams, HeldOutParams, split_cases
@@ -128,8 +128,16 @@ class TwentyQuestionsParams(ChatParams, HeldOutParams):
                         "(those it has; 'nothing else' for the rest) and asked to answer as they say")
     notes: bool = Field(False, description="each question to the answerer comes with the table's answer to it as a "
                         "note ('Your note: red: no.'): answering becomes reading one fact")
-    clue: bool = Field(False, description="the answerer first answers the question that best splits the objects, "
-                       "asked by the environment; the asker sees the answer and starts with it (costs no question)")
+    clue: int = Field(0, ge=0, le=3, description="clue questions the environment asks the answerer before the asker's "
+                      "first turn (true counts as 1): each the attribute that best splits the objects the table's "
+                      "earlier answers leave, the same for every episode of a group; the asker starts from the "
+                      "answers (they cost it no question)")
+
+    @field_validator("clue", mode="before")
+    @classmethod
+    def clue_count(cls, value: object) -> object:
+        """``clue: true`` (how configs wrote one clue) is one clue; ``false`` none."""
+        return int(value) if isinstance(value, bool) else value
 
     def check_splits(self) -> None:
         for split in ("train", "eval"):
@@ -172,10 +180,21 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         self.found = False
         self.truthful = self.lies = self.malformed = self.repeats = 0
         self.asked: set[str] = set()  # the attributes and objects asked about so far
-        self.clue = self.params.clue and splitting_attribute(self.candidates)  # asked before the asker's first turn
-        if self.clue:
-            self.pending, self.to_act = self.clue, "answerer"
-            self.answerer_note += " " + self._question(self.clue)
+        self.clues = self._clues()  # asked before the asker's first turn
+        self.clue_notes: list[str] = []  # the answers to them, as the asker is told them
+        if self.clues:
+            self.pending, self.to_act = self.clues[0], "answerer"
+            self.answerer_note += " " + self._question(self.clues[0])
+
+    def _clues(self) -> list[str]:
+        """Up to ``clue`` attributes, each splitting best the choices that the table's answers to the earlier ones
+        leave: fixed by the episode's seed, not by the answerer's replies, so a group shares them."""
+        clues: list[str] = []
+        left = sorted(self.choices)
+        while len(clues) < self.params.clue and (split := splitting_attribute(left)):
+            clues.append(split)
+            left = [o for o in left if TABLE[o][split] == TABLE[self.secret][split]]
+        return clues
 
     def _draw_choices(self, objects: list[str]) -> list[str]:
         """``choices`` objects of the split (all of them when it holds fewer), the secret among them, shuffled."""
@@ -221,8 +240,15 @@ class TwentyQuestions(Environment[TwentyQuestionsParams]):
         return note
 
     def _asked(self, turn: dict[str, float], info: dict[str, Any]) -> StepResult:
-        if self.clue:  # the environment's clue costs the asker no question
-            self.asker_note, self.clue = f"{self.intro} A clue: {self.asker_note}", None
+        if self.clues:  # the environment's clues cost the asker no question
+            self.clues.pop(0)
+            self.clue_notes.append(self.asker_note.removesuffix(" " + NEXT))
+            if self.clues:
+                self.pending, self.to_act = self.clues[0], "answerer"
+                self.answerer_note = self._question(self.clues[0])
+            else:
+                said = "A clue" if len(self.clue_notes) == 1 else "Clues"
+                self.asker_note = f"{self.intro} {said}: {' '.join(self.clue_notes)} {NEXT}"
             return self.turn_result(turn, info)
         self.questions += 1
         return self.turn_result(turn, info, out_of_turns=self.questions >= self.params.max_questions)

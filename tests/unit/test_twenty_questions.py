@@ -1,5 +1,5 @@
 """Twenty questions for chat models: the objects named per episode (``choices``), the environment's opening
-clue (``clue``), repeated questions counted, and held-out objects kept out of training's choices."""
+clues (``clue``), repeated questions counted, and held-out objects kept out of training's choices."""
 
 from __future__ import annotations
 
@@ -36,6 +36,25 @@ def test_the_clue_is_answered_first_and_costs_no_question() -> None:
     assert env.current_role() == "asker" and env.questions == 0
     note = env.observation("asker")
     assert note.startswith(f"Objects: {', '.join(env.choices)}. A clue: Is it {clue}? {'Yes' if truth else 'No'}.")
+
+
+def test_two_clues_follow_the_table_not_the_answerer_and_the_asker_hears_both() -> None:
+    for seed in range(40):
+        env = TwentyQuestions({**PARAMS, "clue": 2, "notes": True}, seed)
+        first = splitting_attribute(sorted(env.choices))
+        left = [o for o in sorted(env.choices) if TABLE[o][first] == TABLE[env.secret][first]]
+        assert env.clues == [first] + ([second] if (second := splitting_attribute(left)) else [])
+        answers = []
+        for clue in list(env.clues):  # a lie to every clue: the second clue stays the table's, so a group shares it
+            assert env.current_role() == "answerer" and f"Question: Is it {clue}?" in env.observation("answerer")
+            lie = "no" if TABLE[env.secret][clue] else "yes"
+            result = asyncio.run(env.step("answerer", lie))
+            assert result.turn_rewards == {"answerer": -0.1} and not result.done
+            answers.append(f"Is it {clue}? {lie.capitalize()}.")
+        assert env.current_role() == "asker" and env.questions == 0
+        said = "A clue" if len(answers) == 1 else "Clues"
+        assert env.observation("asker") == (f"Objects: {', '.join(env.choices)}. {said}: {' '.join(answers)} "
+                                            "Ask your next question, or guess.")
 
 
 def test_a_repeated_question_is_counted_and_a_distinct_guesser_finds_within_three() -> None:
