@@ -18,6 +18,9 @@ Protocol
   is red here), so answering becomes reading the facts, a skill that carries to objects never trained on.
   With ``notes`` each question comes with the table's answer to it ("Your note: red: no."), so answering is
   reading one fact.
+* With ``clue`` the environment first asks the answerer that many questions, each the attribute that best
+  splits the objects the table's earlier answers leave (so a group's episodes share them); the asker
+  starts from the answers, which cost it no question.
 Each role's default system message (``default_system``) tells a chat model this protocol.
 
 Rewards
