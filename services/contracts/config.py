@@ -157,8 +157,9 @@ class RunConfig(Strict):
                               "within restart_window_s before the run stops; 0 = a dying service stops the run")
     restart_window_s: float = Field(600.0, gt=0, description="the sliding window max_restarts counts in")
     redis_appendfsync: Literal["everysec", "always"] = Field(
-        "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of writes on a machine "
-        "crash (none on a Redis crash); always loses none (docs/guides/recovery.md)")
+        "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of acknowledged writes on "
+        "a machine crash, and up to ~2 s on a Redis crash while the disk is busy; always loses none "
+        "(docs/guides/recovery.md)")
     redis_maxmemory_mb: int = Field(4096, ge=0, description="embedded Redis maxmemory (noeviction: a full Redis "
                                     "refuses writes and the run stops naming the limit); 0 = no limit")
     done_ids_grace_s: float = Field(600.0, ge=10, description="how long every service waits out an unreachable "
