@@ -84,7 +84,7 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None, appendonly: bool = True,
-                 password: str | None = None, appendfsync: str = "everysec", maxmemory_mb: int = 0,
+                 password: str | None = None, appendfsync: str = "always", maxmemory_mb: int = 0,
                  aof_rewrite_percentage: int = AOF_REWRITE_PERCENTAGE,
                  aof_rewrite_min_mb: int = AOF_REWRITE_MIN_MB) -> None:
         self.port = port or free_port()

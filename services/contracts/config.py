@@ -157,9 +157,10 @@ class RunConfig(Strict):
                               "within restart_window_s before the run stops; 0 = a dying service stops the run")
     restart_window_s: float = Field(600.0, gt=0, description="the sliding window max_restarts counts in")
     redis_appendfsync: Literal["everysec", "always"] = Field(
-        "everysec", description="embedded Redis AOF fsync: everysec loses at most ~1 s of acknowledged writes on "
-        "a machine crash, and up to ~2 s on a Redis crash while the disk is busy; always loses none "
-        "(docs/guides/recovery.md)")
+        "always", description="embedded Redis AOF fsync: always writes and fsyncs before it replies, so no "
+        "acknowledged write is lost (a full disk stops Redis, and the run, naming the disk); everysec is faster per "
+        "write, waits out a full disk, but loses up to ~2 s of acknowledged writes on a Redis crash while the disk "
+        "is busy and ~1 s on a machine crash (docs/guides/recovery.md)")
     redis_maxmemory_mb: int = Field(4096, ge=0, description="embedded Redis maxmemory (noeviction: a full Redis "
                                     "refuses writes and the run stops naming the limit); 0 = no limit")
     done_ids_grace_s: float = Field(600.0, ge=10, description="how long every service waits out an unreachable "

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_password_loopback_fsync_and_restart_on_the_aof(tmp_path):
-    server = EmbeddedRedis(data_dir=tmp_path / "data", appendfsync="always").start()
+    server = EmbeddedRedis(data_dir=tmp_path / "data").start()  # the default fsyncs every write
     try:
         assert server.password and len(server.password) == 32 and server.password in server.url
         client = redis.Redis.from_url(server.url)

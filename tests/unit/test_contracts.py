@@ -191,7 +191,7 @@ def test_config_numbers_read_as_meant(tmp_path):
     cfg = load_config(path, environ={"TANDEM__agents__B__algorithm__lr": "2e-4", "TANDEM__run__max_restarts": "0"})
     assert cfg.agents["A"].algorithm.lr == 0.001 and cfg.agents["B"].algorithm.lr == 0.0002
     assert cfg.run.total_steps == 72 and cfg.run.max_restarts == 0
-    assert (cfg.run.restart_window_s, cfg.run.redis_appendfsync) == (600.0, "everysec")
+    assert (cfg.run.restart_window_s, cfg.run.redis_appendfsync) == (600.0, "always")
 
 
 def test_redis_password_file_goes_into_the_url(tmp_path):
