@@ -64,3 +64,6 @@ class PipelineConfig(Strict):
     episodes: int = Field(ge=1, description="collect: the episodes played")
     min_reward: float | None = Field(None, description="collect: keep only the trajectories with at least this reward")
     sft: PipelineSft = Field(default_factory=PipelineSft, description="the SFT stage's schedule and learning rate")
+    demonstrate: list[str] = Field(default_factory=list, description="collect: roles played by the environment's "
+                                   "demonstrations instead of their model (tandem collect --demonstrate): warm-up "
+                                   "data for a protocol the start model does not follow, e.g. tool calls")

@@ -15,6 +15,7 @@ dashboard's transcript browser: HTML or text, as ``render_format`` says.
 ``default_system`` holds, per role, the system message that tells a chat model the protocol;
 ``environment.params.system`` (``ChatParams``) replaces it per role, '' for none.
 ``default_tools`` names, per role, the tools (services/envs/tools) a model player may call within its turn.
+``demonstration`` writes what a competent player of a role would, tool calls included (SFT warm-up data).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Environment(ABC, Generic[P]):
     default_system: ClassVar[dict[str, str]] = {}
     # per role, the tools it may call (services/envs/tools; ``params.tools`` of ``ToolParams`` replaces it)
     default_tools: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # roles ``demonstration`` can play (collect's scripted warm-up data)
+    demonstrated_roles: ClassVar[tuple[str, ...]] = ()
     # a game: the final rewards say who won (win/draw/loss scores); otherwise evaluations report summary_means
     is_game: ClassVar[bool] = False
 
@@ -132,6 +135,13 @@ class Environment(ABC, Generic[P]):
         if chosen is not None:
             return tuple(chosen.get(role, ()))
         return self.default_tools.get(role, ())
+
+    def demonstration(self, role: str, step: int) -> str:
+        """What a competent player of ``role`` writes as generation ``step`` of its current turn (0 first, then
+        one after each tool call's result): supervised warm-up data (``tandem collect --demonstrate``). Roles an
+        environment can demonstrate are its ``demonstrated_roles``; any other raises ``ValueError``."""
+        raise ValueError(f"environment {self.env_name or type(self).__name__} cannot demonstrate role {role!r} "
+                         f"(it demonstrates: {', '.join(self.demonstrated_roles) or 'none'})")
 
     def tool_used(self, role: str, call: dict[str, Any]) -> None:
         """Told of each tool call ``role`` made (name, arguments, result, error) before its turn's reply is

@@ -32,6 +32,7 @@ INTEGER = re.compile(r"(?<!\w)-?\d+|\d+")  # a minus sign only where it starts a
 @dataclass
 class MathTask(Task):
     answer: int = 0
+    expression: str = ""  # arithmetic whose value is ``answer`` (what a demonstration gives the calculator)
 
     def grade(self, reply: str) -> float | None:
         found = INTEGER.findall(reply)

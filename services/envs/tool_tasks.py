@@ -26,6 +26,7 @@ from services.envs.base import Environment, StepResult
 from services.envs.math_tasks import INTEGER, MathDatasetParams, MathTask
 from services.envs.params import SHAPING
 from services.envs.tools.base import ToolParams
+from services.envs.tools.calls import format_tool_call
 from services.envs.tools.search import CATALOGUE
 from services.envs.verifiable import SolveEnv, Task, VerifiableParams, _Verifiable
 
@@ -39,14 +40,17 @@ def word_problem(rng: random.Random, n: int) -> MathTask:
     if kind == 0:
         prompt, answer = (f"A depot ships {a} crates a day and each crate holds {b} jars. How many jars does it "
                           f"ship in {c} days?"), a * b * c
+        expression = f"{a}*{b}*{c}"
     elif kind == 1:
         total = a * b + rng.randint(0, n)
         prompt, answer = (f"A trader has {total} coins and buys {a} sacks at {b} coins each. How many coins are "
                           "left?"), total - a * b
+        expression = f"{total}-{a}*{b}"
     else:
         prompt, answer = (f"{c} workers each pack {a} boxes a week, and a truck carries {b} boxes. How many "
                           f"boxes do the workers pack in 4 weeks, plus {b} more?"), 4 * c * a + b
-    return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer)
+        expression = f"4*{c}*{a}+{b}"
+    return MathTask(prompt=prompt, reference=str(answer), wrong=str(answer + 1), answer=answer, expression=expression)
 
 
 class ToolMathParams(ToolParams, VerifiableParams, MathDatasetParams):
@@ -59,6 +63,7 @@ class _ToolMathMixin(_Verifiable[ToolMathParams]):
     default_system: ClassVar[dict[str, str]] = {
         "solver": "Solve the word problem. Use a tool for the arithmetic, then reply with only the final integer."}
     summary_measures: ClassVar[tuple[str, ...] | None] = ("score", "right", "unparsed", "tool_calls")
+    demonstrated_roles: ClassVar[tuple[str, ...]] = ("solver",)
 
     def __init__(self, params: dict[str, Any] | ToolMathParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -71,6 +76,15 @@ class _ToolMathMixin(_Verifiable[ToolMathParams]):
 
     def tool_used(self, role: str, call: dict[str, Any]) -> None:
         self.tool_calls += 1
+
+    def demonstration(self, role: str, step: int) -> str:
+        """The calculator on the problem's arithmetic, then the integer alone."""
+        task = self.task
+        if role != "solver" or not isinstance(task, MathTask) or not task.expression:
+            return super().demonstration(role, step)  # a dataset's task has no expression to give the calculator
+        if step == 0:
+            return format_tool_call("calculator", {"expression": task.expression})
+        return str(task.answer)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "tool_calls": self.tool_calls}
@@ -105,6 +119,7 @@ class ToolRelay(Environment[ToolRelayParams]):
                       "reply with a one-line report ending in the total cost as an integer.",
         "buyer": "Reply with one word: BUY if the units cost at most your budget, otherwise SKIP."}
     summary_measures: ClassVar[tuple[str, ...] | None] = ("right", "report_right", "tool_calls", "undecided")
+    demonstrated_roles: ClassVar[tuple[str, ...]] = ("researcher", "buyer")
 
     def __init__(self, params: dict[str, Any] | ToolRelayParams, seed: int) -> None:
         super().__init__(params, seed)
@@ -148,6 +163,18 @@ class ToolRelay(Environment[ToolRelayParams]):
         outcome = 1.0 if right else -1.0
         return StepResult(done=True, rewards={"buyer": outcome, "researcher": outcome + bonus},
                           info={"decision": self.decision})
+
+    def demonstration(self, role: str, step: int) -> str:
+        """The researcher searches the item, multiplies on the calculator and reports; the buyer decides right."""
+        if role == "buyer":
+            return "BUY" if self.total <= self.budget else "SKIP"
+        if role != "researcher":
+            return super().demonstration(role, step)
+        if step == 0:
+            return format_tool_call("search", {"query": self.item["title"].lower()})
+        if step == 1:
+            return format_tool_call("calculator", {"expression": f"{self.item['price']}*{self.units}"})
+        return f"{self.units} units at {self.item['price']} coins each cost {self.total}"
 
     def scripted_reply(self, role: str, player: str, rng: random.Random) -> str:
         if role == "researcher":

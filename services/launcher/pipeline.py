@@ -7,8 +7,9 @@ samples, and writes ``<checkpoint_root>/<run.name>/<agent>/v#####`` (the last ve
 ``tandem pipeline CONFIG`` runs the MRLM hybrid pipeline of a config with a ``pipeline`` section, each stage's
 checkpoint feeding the next:
 
-1. collect: ``pipeline.episodes`` episodes played by the agents' ``model_path`` (``tandem collect``), kept above
-   ``pipeline.min_reward``, to ``<output_dir>/<run>-pipeline/trajectories.jsonl``;
+1. collect: ``pipeline.episodes`` episodes played by the agents' ``model_path`` (``tandem collect``; the
+   ``pipeline.demonstrate`` roles by the environment's demonstrations), kept above ``pipeline.min_reward``, to
+   ``<output_dir>/<run>-pipeline/trajectories.jsonl``;
 2. SFT: every training agent on its own trajectories with ``algorithm: sft`` (``pipeline.sft``: epochs,
    max_samples, batch_size, lr; no KL term), to ``<checkpoint_root>/<run>-sft/<agent>/v#####``: a full HF
    directory (under the agent's ``lora``, the adapters it trained merged into the base);
@@ -42,10 +43,13 @@ from services.contracts.config import (
     apply_env_overrides,
     parse_config,
 )
+from services.contracts.players import AgentPlayer
+from services.envs.registry import check_environment_config
 from services.launcher import run_lock
 from services.launcher.overrides import add_set_argument, load_with_overrides, write_effective
 from services.launcher.preflight import preflight
 from services.launcher.sweep import load_yaml
+from services.play.demonstrate import check_demonstrated
 
 
 def add_pipeline_commands(sub: Any) -> None:
@@ -116,6 +120,12 @@ def stage_problems(cfg: TandemConfig) -> list[str]:
     for name, acfg in cfg.agents.items():
         if acfg.train and acfg.backend != "torch":
             problems.append(f"agents.{name}.backend: the pipeline's SFT stage trains on backend torch")
+    if cfg.pipeline is not None and cfg.pipeline.demonstrate:
+        agent_roles = {r for r, p in cfg.environment.roles.items() if isinstance(p, AgentPlayer)}
+        try:
+            check_demonstrated(check_environment_config(cfg.environment), agent_roles, cfg.pipeline.demonstrate)
+        except ValueError as exc:
+            problems.append(f"pipeline.demonstrate: {str(exc).removeprefix('--demonstrate ')}")
     return problems
 
 
@@ -183,7 +193,8 @@ def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, sft_roo
     trajectories = stage_dir / "trajectories.jsonl"
     print(f"pipeline: collect, {cfg.pipeline.episodes} episodes -> {trajectories}")
     try:
-        counts = asyncio.run(collect(cfg, {}, cfg.pipeline.episodes, trajectories, cfg.pipeline.min_reward))
+        counts = asyncio.run(collect(cfg, {}, cfg.pipeline.episodes, trajectories, cfg.pipeline.min_reward,
+                                     cfg.pipeline.demonstrate))
     except ValueError as exc:
         raise ConfigError(f"pipeline: the collect stage: {exc}") from None
     versions = sorted({json.loads(line)["weight_version"] for line in trajectories.read_text().splitlines()})

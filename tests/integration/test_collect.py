@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,36 @@ def test_bad_collect_arguments_fail_with_a_reason(relay_config: Path, tmp_path: 
     proc = collect(relay_config, "--episodes", "0", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--episodes 0" in proc.stderr
     assert weight_version("/x/v00012") == 12 and weight_version("/models/smollm2") == 0
+
+
+def test_demonstrations_call_the_tools_and_are_right(relay_config: Path, tiny_model_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """``--demonstrate``: the environment writes the roles' turns (search, calculator, then the report; the right
+    decision) in each agent's chat template; the tools really run, and every episode earns the full reward."""
+    model = tmp_path / "model"  # the tiny model with room for two tools' signatures in its byte-level context
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    cfg = yaml.safe_load(relay_config.read_text())
+    cfg["environment"]["params"]["tools"] = {"researcher": ["search", "calculator"]}
+    for agent in cfg["agents"].values():
+        agent["model_path"] = str(model)
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "demo.jsonl"
+    proc = collect(config, "--episodes", "3", "--out", str(out), "--demonstrate", "researcher",
+                   "--demonstrate", "buyer")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(row["demonstration"] for row in rows)
+    for row in (r for r in rows if r["role"] == "researcher"):
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"], roles
+        search, found, multiply, total, report = (m["content"] for m in row["messages"][2:])
+        assert search.startswith('<tool_call>{"name": "search"') and multiply.startswith(
+            '<tool_call>{"name": "calculator"')
+        assert not found.startswith("error") and report.endswith(total.strip())  # the report ends in the result
+        assert row["reward"] == 1.5 and row["measures"]["report_right"] == 1.0 and row["measures"]["right"] == 1.0
+    assert all(r["reward"] == 1.0 for r in rows if r["role"] == "buyer")
+    proc = collect(config, "--episodes", "1", "--out", str(tmp_path / "x"), "--demonstrate", "judge")
+    assert proc.returncode == 2 and "--demonstrate judge: not a role an agent plays here" in proc.stderr

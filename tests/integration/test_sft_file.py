@@ -183,3 +183,8 @@ def test_tandem_sft_writes_the_checkpoint_and_up_and_pipeline_refuse_what_is_not
         preflight(parse_config(cfg), str(path), "new")
     nopipe = tandem("pipeline", str(path))
     assert nopipe.returncode == 2 and "pipeline: not set" in nopipe.stderr
+    rl = {**config(tiny_model_dir, None, "grpo"), "pipeline": {"episodes": 1, "demonstrate": ["X"]}}
+    path.write_text(yaml.safe_dump(rl))
+    nodemo = tandem("pipeline", str(path))  # tic-tac-toe has no demonstrations: refused before any stage
+    assert nodemo.returncode == 2, nodemo.stderr[-3000:]
+    assert "pipeline.demonstrate: X: environment tictactoe cannot demonstrate it" in nodemo.stderr

@@ -267,6 +267,26 @@ def test_tool_relay_rules_with_scripted_players() -> None:
     assert all(m == 0 for m in model.views["buyer"].loss_mask[:-6])
 
 
+async def test_tool_math_demonstrations_call_the_calculator_and_answer_right() -> None:
+    """The solver's demonstration: the calculator on the problem's arithmetic (each of the three kinds), whose
+    result is the answer, then the integer alone; a role it cannot demonstrate is refused."""
+    env_cls = load_environment("tool_math")
+    box = ToolBox(("calculator",))
+    try:
+        prompts = set()
+        for seed in range(12):
+            env = env_cls({}, seed)
+            prompts.add(env.task.prompt.split()[1])
+            result, error = await run(box, env.demonstration("solver", 0))
+            assert not error and result == str(env.task.answer) == env.demonstration("solver", 1)
+            assert (await env.step("solver", env.demonstration("solver", 1))).rewards == {"solver": 1.0}
+        assert len(prompts) >= 3  # the three kinds of problem
+    finally:
+        box.close()
+    with pytest.raises(ValueError, match="cannot demonstrate role 'critic'"):
+        env_cls({}, 0).demonstration("critic", 0)
+
+
 async def test_a_plug_in_tool_and_the_time_limit_per_call() -> None:
     box = ToolBox(("tests.plugin_tool:Slow",), Limits(seconds=0.5))
     try:

@@ -5,6 +5,7 @@ The format is the one SmolLM2's and Qwen's chat templates teach:
 A plain fallback for models without it: a line ``CALL name {"arg": ...}``, or ``CALL name text`` where the text
 becomes the tool's first parameter. The first call in a reply counts. A call that cannot be read is a
 ``ToolCallError`` (answered to the agent as an error message); a reply without one is a final reply.
+``format_tool_call`` writes a call in the tagged format (demonstrations).
 """
 
 from __future__ import annotations
@@ -61,3 +62,8 @@ def parse_tool_call(reply: str) -> ToolCall | None:
             raise ToolCallError("the arguments are not a JSON object")
         return ToolCall(name, args)
     return ToolCall(name, {}, text=rest)
+
+
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """A call in the tagged format, as ``parse_tool_call`` reads it back."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
