@@ -143,6 +143,14 @@ class Environment(ABC, Generic[P]):
         raise ValueError(f"environment {self.env_name or type(self).__name__} cannot demonstrate role {role!r} "
                          f"(it demonstrates: {', '.join(self.demonstrated_roles) or 'none'})")
 
+    def needs_tools(self, role: str, *names: str) -> None:
+        """A demonstration's check that ``role`` may call the tools it would: a call to a tool the config does not
+        give the role would teach the model a call that fails."""
+        if missing := [n for n in names if n not in self.tool_names(role)]:
+            given = ", ".join(self.tool_names(role)) or "none"
+            raise ValueError(f"the demonstration of role {role!r} calls {', '.join(missing)}, which "
+                             f"environment.params.tools does not give it ({given})")
+
     def tool_used(self, role: str, call: dict[str, Any]) -> None:
         """Told of each tool call ``role`` made (name, arguments, result, error) before its turn's reply is
         stepped; the default ignores it (an environment may count or grade tool use)."""

@@ -82,6 +82,7 @@ class _ToolMathMixin(_Verifiable[ToolMathParams]):
         task = self.task
         if role != "solver" or not isinstance(task, MathTask) or not task.expression:
             return super().demonstration(role, step)  # a dataset's task has no expression to give the calculator
+        self.needs_tools(role, "calculator")
         if step == 0:
             return format_tool_call("calculator", {"expression": task.expression})
         return str(task.answer)
@@ -170,6 +171,7 @@ class ToolRelay(Environment[ToolRelayParams]):
             return "BUY" if self.total <= self.budget else "SKIP"
         if role != "researcher":
             return super().demonstration(role, step)
+        self.needs_tools(role, "search", "calculator")
         if step == 0:
             return format_tool_call("search", {"query": self.item["title"].lower()})
         if step == 1:

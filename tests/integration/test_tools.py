@@ -285,6 +285,8 @@ async def test_tool_math_demonstrations_call_the_calculator_and_answer_right() -
         box.close()
     with pytest.raises(ValueError, match="cannot demonstrate role 'critic'"):
         env_cls({}, 0).demonstration("critic", 0)
+    with pytest.raises(ValueError, match="calls calculator, which environment.params.tools does not give it"):
+        env_cls({"tools": {"solver": ["python"]}}, 0).demonstration("solver", 0)
 
 
 async def test_a_plug_in_tool_and_the_time_limit_per_call() -> None:
