@@ -80,8 +80,11 @@ class _ToolMathMixin(_Verifiable[ToolMathParams]):
     def demonstration(self, role: str, step: int) -> str:
         """The calculator on the problem's arithmetic, then the integer alone."""
         task = self.task
-        if role != "solver" or not isinstance(task, MathTask) or not task.expression:
-            return super().demonstration(role, step)  # a dataset's task has no expression to give the calculator
+        if role != "solver":
+            return super().demonstration(role, step)
+        if not isinstance(task, MathTask) or not task.expression:
+            raise ValueError("the solver's demonstration needs the generator's problems: a task from "
+                             "environment.dataset has no arithmetic to give the calculator")
         self.needs_tools(role, "calculator")
         if step == 0:
             return format_tool_call("calculator", {"expression": task.expression})

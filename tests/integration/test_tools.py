@@ -21,6 +21,7 @@ from services.envs.tools.calls import ToolCallError, parse_tool_call
 from services.envs.tools.repl import can_confine
 from services.play.episode import play_episode
 from services.training.grpo import token_logprobs
+from tests.helpers import REPO
 from tests.unit.test_render import CHATML, byte_tokenizer
 
 
@@ -269,7 +270,8 @@ def test_tool_relay_rules_with_scripted_players() -> None:
 
 async def test_tool_math_demonstrations_call_the_calculator_and_answer_right() -> None:
     """The solver's demonstration: the calculator on the problem's arithmetic (each of the three kinds), whose
-    result is the answer, then the integer alone; a role it cannot demonstrate is refused."""
+    result is the answer, then the integer alone; a role it cannot demonstrate, a tool the config does not give
+    and a dataset's task (no arithmetic to give the calculator) are refused."""
     env_cls = load_environment("tool_math")
     box = ToolBox(("calculator",))
     try:
@@ -287,6 +289,9 @@ async def test_tool_math_demonstrations_call_the_calculator_and_answer_right() -
         env_cls({}, 0).demonstration("critic", 0)
     with pytest.raises(ValueError, match="calls calculator, which environment.params.tools does not give it"):
         env_cls({"tools": {"solver": ["python"]}}, 0).demonstration("solver", 0)
+    dataset = {"path": str(REPO / "data" / "samples" / "word_problems.jsonl")}
+    with pytest.raises(ValueError, match="a task from environment.dataset has no arithmetic"):
+        env_cls({"dataset": dataset}, 0).demonstration("solver", 0)
 
 
 async def test_a_plug_in_tool_and_the_time_limit_per_call() -> None:
