@@ -4,7 +4,8 @@
 the view, its tools run) but answers each generation with what the environment says a competent player writes
 (a tool call, then the answer after its result): chat-format trajectories that show a start model a protocol
 it never uses on its own, for SFT before RL (docs/guides/tools.md). The reply is the text's tokens plus the
-end-of-turn token, logprobs 0, weight version 0, engine ``demonstration``.
+end-of-turn token, logprobs 0, weight version 0, engine ``demonstration``; one longer than the agent's
+``sampling.max_new_tokens`` is refused (the model could not write it, and would learn a reply cut short).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class Demonstrator:
         text = env.demonstration(request.role, step)
         tok = self.tokenizers[player]
         ids = list(tok.encode(text, add_special_tokens=False)) + [tok.eos_token_id]
+        if len(ids) > request.sampling.max_new_tokens:  # a reply the model could not write in its budget
+            agent = getattr(player, "agent", request.agent)
+            raise ValueError(f"the demonstration of role {request.role!r} takes {len(ids)} tokens with its end of "
+                             f"turn, more than agents.{agent}.sampling.max_new_tokens "
+                             f"({request.sampling.max_new_tokens})")
         return GenerateReply(request_id=request.id, agent=request.agent, episode_id=request.episode_id,
                              turn=request.turn, output_ids=ids, output_logprobs=[0.0] * len(ids),
                              finish_reason="stop", weight_version=0, engine=ENGINE,

@@ -87,7 +87,8 @@ def test_bad_collect_arguments_fail_with_a_reason(relay_config: Path, tmp_path: 
 def test_demonstrations_call_the_tools_and_are_right(relay_config: Path, tiny_model_dir: Path,
                                                     tmp_path: Path) -> None:
     """``--demonstrate``: the environment writes the roles' turns (search, calculator, then the report; the right
-    decision) in each agent's chat template; the tools really run, and every episode earns the full reward."""
+    decision) in each agent's chat template; the tools really run, and every episode earns the full reward. A
+    demonstration longer than the agent's max_new_tokens is refused, naming the field."""
     model = tmp_path / "model"  # the tiny model with room for two tools' signatures in its byte-level context
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
@@ -96,6 +97,12 @@ def test_demonstrations_call_the_tools_and_are_right(relay_config: Path, tiny_mo
     cfg["environment"]["params"]["tools"] = {"researcher": ["search", "calculator"]}
     for agent in cfg["agents"].values():
         agent["model_path"] = str(model)
+    short = tmp_path / "short.yaml"  # 8 new tokens: too few for a search call
+    short.write_text(yaml.safe_dump(cfg))
+    proc = collect(short, "--episodes", "1", "--out", str(tmp_path / "x"), "--demonstrate", "researcher")
+    assert proc.returncode == 2 and ("the demonstration of role 'researcher' takes" in proc.stderr
+                                     and "more than agents.A.sampling.max_new_tokens (8)" in proc.stderr)
+    cfg["agents"]["A"]["sampling"]["max_new_tokens"] = 128
     config = tmp_path / "relay.yaml"
     config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "demo.jsonl"
