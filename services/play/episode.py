@@ -207,7 +207,7 @@ class _Episode:
         box.new_turn()
         calls: list[dict[str, Any]] = []
         entry.update(tool_calls=calls)
-        while (call := box.parse(text)) is not None and box.can_call():
+        while (call := box.parse(text, reply.finish_reason == "length")) is not None and box.can_call():
             outcome = (await box.run(call)).record()
             calls.append(outcome)
             self.env.tool_used(role, outcome)

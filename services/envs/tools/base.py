@@ -127,12 +127,14 @@ class ToolBox:
     def can_call(self) -> bool:
         return self.turn_calls < self.limits.per_turn and self.calls < self.limits.per_episode
 
-    def parse(self, reply: str) -> ToolCall | ToolOutcome | None:
-        """The reply's call, an error outcome for a malformed one, or None (a final reply)."""
+    def parse(self, reply: str, cut: bool = False) -> ToolCall | ToolOutcome | None:
+        """The reply's call, an error outcome for a malformed one, or None (a final reply); ``cut``: the reply
+        ended at its token budget, which the error then names (a call cut short reads as broken JSON)."""
         try:
             return parse_tool_call(reply)
         except ToolCallError as exc:
-            return ToolOutcome("?", {}, f"error: {exc}", error=True)
+            why = " (the reply was cut off at its max_new_tokens)" if cut else ""
+            return ToolOutcome("?", {}, f"error: {exc}{why}", error=True)
 
     async def run(self, call: ToolCall | ToolOutcome) -> ToolOutcome:
         """Run one call (counted against the limits); failures come back as error outcomes."""
