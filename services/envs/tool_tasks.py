@@ -168,9 +168,19 @@ class ToolRelay(Environment[ToolRelayParams]):
         return StepResult(done=True, rewards={"buyer": outcome, "researcher": outcome + bonus},
                           info={"decision": self.decision})
 
+    def default_system_prompt(self, role: str) -> str:
+        if role == "buyer" and "calculator" in self.tool_names(role):
+            return ("Subtract the report's total from your budget with the calculator, then reply with one word: "
+                    "BUY if the units cost at most your budget (the difference is not negative), otherwise SKIP.")
+        return super().default_system_prompt(role)
+
     def demonstration(self, role: str, step: int) -> str:
-        """The researcher searches the item, multiplies on the calculator and reports; the buyer decides right."""
+        """The researcher searches the item, multiplies on the calculator and reports; the buyer (with the
+        calculator when the config gives it one: budget minus the reported total) decides right."""
         if role == "buyer":
+            reported = self.reported_total()
+            if step == 0 and "calculator" in self.tool_names(role) and reported is not None:
+                return format_tool_call("calculator", {"expression": f"{self.budget}-{reported}"})
             return "BUY" if self.total <= self.budget else "SKIP"
         if role != "researcher":
             return super().demonstration(role, step)

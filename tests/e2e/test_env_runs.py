@@ -45,6 +45,7 @@ RUN_ELSEWHERE = {"support_desk": "tests/e2e/test_three_agents_e2e.py", "tool_rel
                  "answer_demo": "answer_then_answer",  # the same environment and agents, other parameters
                  "llm_twenty_questions": "twenty_questions",  # its LoRA agents' path runs in llm_answer
                  "llm_tool_math": "tool_math",  # its pipeline's path: tests/e2e/test_pipeline.py, test_collect.py
+                 "llm_tool_relay": "tests/e2e/test_tools_e2e.py",  # and its demonstrations: test_collect.py
                  "demo": "tests/unit/test_matchups.py", "shared_base": "tests/e2e/test_shared_base_run.py",
                  "compare_frozen": "tests/unit/test_sweep.py",  # its frozen set-up: a tic-tac-toe agent not trained
                  "guess_number": "guess_demo"}  # the same environment, other parameters

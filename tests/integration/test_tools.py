@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.contracts.messages import GenerateReply, GenerateRequest, SamplingParams
 from services.contracts.players import AgentPlayer, Player
 from services.envs.registry import load_environment
-from services.envs.tools.base import Limits, ToolBox, ToolCall, ToolParams, load_tool
+from services.envs.tools.base import Limits, ToolBox, ToolCall, ToolOutcome, ToolParams, load_tool
 from services.envs.tools.calculator import evaluate
 from services.envs.tools.calls import ToolCallError, parse_tool_call
 from services.envs.tools.repl import can_confine
@@ -65,7 +65,9 @@ async def test_unknown_and_malformed_calls_are_answered_not_raised() -> None:
     try:
         assert await run(box, "CALL shell rm -rf /") == ("error: no tool 'shell' (tools: calculator)", True)
         result, error = await run(box, "<tool_call>{bad json</tool_call>")
-        assert error and "not JSON" in result
+        assert error and "not JSON" in result and "cut off" not in result
+        cut = box.parse('<tool_call>{"name": "calculator", "arguments": {"expression": "1-2"}}</tool_c', cut=True)
+        assert isinstance(cut, ToolOutcome) and "cut off at its max_new_tokens" in cut.result
         with pytest.raises(ValueError, match="unknown tool 'nope'"):
             load_tool("nope")
         with pytest.raises(ValueError, match="not a Tool subclass"):
@@ -292,6 +294,32 @@ async def test_tool_math_demonstrations_call_the_calculator_and_answer_right() -
     dataset = {"path": str(REPO / "data" / "samples" / "word_problems.jsonl")}
     with pytest.raises(ValueError, match="a task from environment.dataset has no arithmetic"):
         env_cls({"dataset": dataset}, 0).demonstration("solver", 0)
+
+
+async def test_a_buyer_with_the_calculator_demonstrates_budget_minus_the_report() -> None:
+    """Given the calculator, the buyer's demonstration subtracts the report's total from its budget (its system
+    message says so), then decides right: BUY exactly when the difference is not negative; without it, the
+    decision alone."""
+    env_cls = load_environment("tool_relay")
+    params = {"tools": {"researcher": ["search", "calculator"], "buyer": ["calculator"]}}
+    box = ToolBox(("calculator",))
+    try:
+        decisions = set()
+        for seed in range(12):
+            env = env_cls(params, seed)
+            await env.step("researcher", env.demonstration("researcher", 2))
+            result, error = await run(box, env.demonstration("buyer", 0))
+            decision = env.demonstration("buyer", 1)
+            assert not error and int(result) == env.budget - env.total
+            assert decision == ("BUY" if int(result) >= 0 else "SKIP")
+            assert (await env.step("buyer", decision)).rewards["buyer"] == 1.0
+            decisions.add(decision)
+        assert decisions == {"BUY", "SKIP"}
+        assert "calculator" in (env.system_prompt("buyer") or "")
+    finally:
+        box.close()
+    plain = env_cls({}, 0)
+    assert plain.demonstration("buyer", 0) in ("BUY", "SKIP") and "calculator" not in plain.system_prompt("buyer")
 
 
 async def test_a_plug_in_tool_and_the_time_limit_per_call() -> None:
