@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.adapter_dir import is_adapter_dir
+from services.common.embedded_redis import free_port
 from services.contracts.config import ConfigError, SftRecord, parse_config
 from services.launcher.preflight import preflight
 from services.training.algorithms import make_algorithm, make_inputs
@@ -188,3 +189,12 @@ def test_tandem_sft_writes_the_checkpoint_and_up_and_pipeline_refuse_what_is_not
     nodemo = tandem("pipeline", str(path))  # tic-tac-toe has no demonstrations: refused before any stage
     assert nodemo.returncode == 2, nodemo.stderr[-3000:]
     assert "pipeline.demonstrate: X: environment tictactoe cannot demonstrate it" in nodemo.stderr
+    # no tic-tac-toe episode earns 5: the collect stage (run in a child process) keeps nothing, and its error
+    # comes back as the pipeline's own
+    rl["pipeline"] = {"episodes": 2, "min_reward": 5.0}
+    rl["run"].update(name="empty", checkpoint_root=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "runs"))
+    rl["api"] = {"port": free_port()}
+    path.write_text(yaml.safe_dump(rl))
+    empty = tandem("pipeline", str(path))
+    assert empty.returncode == 2, empty.stderr[-3000:]
+    assert "pipeline.min_reward: the collect stage kept no trajectory of 2 episodes" in empty.stderr
