@@ -190,20 +190,16 @@ def run_stages_apart(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, s
     stages go back to the OS before the RL stage's services start (held, they were gigabytes of its memory)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        manifest, updated = pool.submit(_stages, cfg, data, stage_dir, sft_root).result()
+        manifest, updated = pool.submit(run_stages, cfg, data, stage_dir, sft_root).result()
     data.clear()
     data.update(updated)
     return manifest
 
 
-def _stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path,
-            sft_root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    manifest = run_stages(cfg, data, stage_dir, sft_root)
-    return manifest, data
-
-
-def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, sft_root: Path) -> dict[str, Any]:
-    """Collect, then SFT; ``data`` (the config's YAML) gets each trained agent's SFT checkpoint as model_path."""
+def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path,
+               sft_root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collect, then SFT: the manifest, and ``data`` (the config's YAML) with each trained agent's SFT checkpoint
+    as its model_path."""
     from services.play.collect import collect
     from services.training.sft_file import train_from_file
 
@@ -235,4 +231,4 @@ def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, sft_roo
         data["agents"][name]["model_path"] = result.checkpoint
         print(f"pipeline: {name}: NLL {result.nll_before:.4f} -> {result.nll_after:.4f} on {result.samples} samples, "
               f"checkpoint {result.checkpoint}")
-    return manifest
+    return manifest, data
