@@ -1,7 +1,8 @@
 """The trainer service: one handler per stream (``on_batch``, ``on_control``) over a training backend.
 
 ``on_batch`` takes a batch from ``batches:{agent}``, drops samples already trained on
-(idempotent by sample id), trains one step, writes version k+1 as an HF directory and the
+(idempotent by sample id), trains one step (then trims the C heap: ``rss_mb`` and ``rss_trimmed_mb`` in its
+metrics), writes version k+1 as an HF directory and the
 full training state (``state/v{k+1}``), commits in Redis what was trained (sample ids,
 published version, train log) in one transaction, publishes ``weights:{agent}`` and a
 ``train_step`` event, and only then returns (the bus acknowledges the batch).
@@ -42,6 +43,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.messages import Batch, Control, Sample, TrainStep, TrainStepSkipped, WeightsUpdate
 from services.contracts.records import GroupState, SkipRecord, TrainLogRecord, Verdict
 from services.training.backends import Policy
+from services.training.memory import release_heap
 from services.training.signal import learning_signal
 from services.training.step import NonFiniteStep
 
@@ -172,6 +174,7 @@ class TrainerService:
         new_version = self.weight_version + 1
         try:
             metrics = {**await asyncio.to_thread(self.policy.train_step, fresh), **learning_signal(fresh)}
+            metrics.update(await asyncio.to_thread(release_heap))  # the step's freed peak back to the system
             failpoint("after_train", new_version)
             path, checksum = await asyncio.to_thread(self.policy.save, self.ckpt_dir / f"v{new_version:05d}")
             await asyncio.to_thread(self.policy.save_state, self.state_dir(new_version), new_version)

@@ -6,12 +6,21 @@ until the backward pass frees them, so their sum is the activation memory the st
 Under activation checkpointing only the checkpointed layers' inputs are saved, and the count says so.
 ``optimizer_bytes`` sums the optimizer's state tensors (AdamW: two per trainable parameter);
 ``grad_bytes`` the trainable parameters' gradients.
+
+``release_heap`` hands the pages a finished step freed back to the system (glibc's ``malloc_trim``): glibc keeps
+the freed heap of a step's many medium-sized tensors mapped, so without it a trainer's resident memory stays at
+its step's peak until the run ends, and two trainers on one machine hold both peaks at once.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 
@@ -62,3 +71,36 @@ def memory_metrics(meter: ActivationMeter, optimizer: torch.optim.Optimizer, par
         out["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / MB, 1)
         torch.cuda.reset_peak_memory_stats(device)
     return out
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory in MB (Linux ``/proc``); None where there is no ``/proc/self/statm``."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / MB
+
+
+@cache
+def malloc_trim() -> ctypes._CFuncPtr | None:
+    """glibc's ``malloc_trim``, or None under another C library (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+def release_heap() -> dict[str, float]:
+    """Collect garbage and trim the C heap; ``rss_mb`` before and ``rss_trimmed_mb`` after (empty off Linux)."""
+    gc.collect()
+    before = rss_mb()
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
+    after = rss_mb()
+    if before is None or after is None:
+        return {}
+    return {"rss_mb": round(before, 1), "rss_trimmed_mb": round(after, 1)}
