@@ -5,7 +5,8 @@ opponents, each agent in the roles it plays) with the given weights run in-proce
 players (local.py), prints per agent and opponent the report the in-run evaluation gives
 (evaluation.py ``score``: score ± standard error, wins/draws/losses, illegal rate, per-role
 scores), and writes them as JSON (docs/architecture.md §8). No Redis, engines or trainers are
-started. ``--checkpoint DIR`` values without ``AGENT=`` go to the config's training agents in
+started. ``--checkpoint DIR`` values (a model directory, or a LoRA adapter directory as a LoRA run
+publishes: its base merged with it) without ``AGENT=`` go to the config's training agents in
 order; agents without one use their model_path.
 The launcher calls ``main`` in-process.
 """
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from services.common.adapter_dir import base_of, is_adapter_dir
 from services.common.cli_args import EVAL_DESCRIPTION, add_eval_arguments
 from services.contracts.config import ConfigError, TandemConfig, load_config
 from services.contracts.messages import SamplingParams
@@ -47,10 +49,24 @@ def assign_checkpoints(cfg: TandemConfig, values: list[str]) -> dict[str, str]:
             plain += 1
         if agent not in cfg.agents:
             raise ConfigError(f"--checkpoint {value}: no agent {agent!r} in the config ({', '.join(cfg.agents)})")
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"--checkpoint {value}: {path} is not a model directory")
+        check_weights(value, path)
         out[agent] = path
     return out
+
+
+def check_weights(value: str, path: str) -> None:
+    """A model directory, or a LoRA adapter directory (what a LoRA run publishes) whose base is one."""
+    if (Path(path) / "config.json").is_file():
+        return
+    if not is_adapter_dir(path):
+        raise ConfigError(f"--checkpoint {value}: {path} is neither a model directory (config.json) nor a LoRA "
+                          "adapter directory (adapter_config.json)")
+    try:
+        base = base_of(path)
+    except ValueError as exc:
+        raise ConfigError(f"--checkpoint {value}: {exc}") from exc
+    if not (Path(base) / "config.json").is_file():
+        raise ConfigError(f"--checkpoint {value}: the adapter's base model {base} is not a model directory")
 
 
 async def run_eval(cfg: TandemConfig, checkpoints: dict[str, str], opponents: list[str | dict[str, str]],

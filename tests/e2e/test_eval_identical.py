@@ -3,7 +3,8 @@
 A short ``tandem up`` run (every service a real process, the warm-started demo model) evaluates both
 agents against ``random`` and ``minimax`` at the start (on the engines), after step 1 (the step-1
 checkpoints, in-process in the coordinator) and at the end (on the engines). ``tandem eval`` then
-scores each of those checkpoints on its own; every figure of every report must be the same.
+scores each of those checkpoints on its own; every figure of every report must be the same. B trains LoRA
+adapters, so its checkpoints are adapter directories, scored on their base with the adapter merged.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common.adapter_dir import is_adapter_dir
 from services.common.embedded_redis import free_port
 from services.play.offline_eval import main as tandem_eval
 from tests.helpers import launch_up
@@ -33,7 +35,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, warm_model_dir: Path) -> tuple
            "environment": {"name": "tictactoe", "group_size": 4, "roles": {"X": "A", "O": "B"},
                            "alternate_roles": True,
                            "eval": {"episodes": EPISODES, "opponents": ["random", "minimax"], "every_n_steps": 1}},
-           "agents": {"A": agent, "B": agent | {"max_staleness": 1}}}
+           "agents": {"A": agent, "B": agent | {"max_staleness": 1, "lora": {"r": 4, "alpha": 8}}}}
     path = d / "evalsame.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with open(d / "launcher.log", "wb") as log:
@@ -63,6 +65,7 @@ def test_in_run_evaluations_match_tandem_eval(run: tuple[Path, dict], tmp_path: 
                 assert r["score_se"] is not None and 0 <= r["illegal_rate"] <= 1
                 assert r["score_ci95"][0] <= r["score"] <= r["score_ci95"][1]  # the Wilson interval, both sides
     assert evals["step-1"]["versions"] == {"A": 1, "B": 1} and evals["end"]["versions"] == {"A": 2, "B": 2}
+    assert is_adapter_dir(evals["end"]["checkpoints"]["B"]) and not is_adapter_dir(evals["end"]["checkpoints"]["A"])
 
 
 def test_summary_has_eval_curves_and_training_illegal_rate(run: tuple[Path, dict]) -> None:

@@ -1,9 +1,10 @@
 """The ``tandem`` command line: help on every argument, ``--version``, ``up``/``validate`` ``--set``, and
-refusals that say what they are."""
+refusals that say what they are, ``--checkpoint`` directories (a model, or a LoRA run's adapter)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.contracts.config import ConfigError
+from services.contracts.config import ConfigError, load_config
 from services.launcher.cli import build_parser
 from services.launcher.overrides import load_with_overrides, write_effective
 from services.launcher.preflight import preflight
+from services.play.offline_eval import assign_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,3 +98,25 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert message is not None and "pip install 'tandem[wandb]'" in message and message.startswith("logging.wandb")
     with pytest.raises(extras.MissingExtra, match=r"tandem\[wandb\]"):
         extras.require("wandb", "logging.wandb")
+
+
+def test_checkpoints_are_model_or_adapter_directories(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = load_config(_config(tmp_path, model))
+
+    def adapter(name: str, config: dict) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+        return tmp_path / name
+
+    ok = adapter("v00012", {"base_model_name_or_path": str(model)})
+    assert assign_checkpoints(cfg, [f"B={ok}"]) == {"A": str(model), "B": str(ok)}
+    refusals = {str(tmp_path / "empty"): "is neither a model directory .* nor a LoRA adapter directory",
+                str(adapter("orphan", {"base_model_name_or_path": str(tmp_path / "gone")})):
+                    "the adapter's base model .*gone is not a model directory",
+                str(adapter("baseless", {"r": 8})): "names no base_model_name_or_path"}
+    for path, why in refusals.items():
+        with pytest.raises(ConfigError, match=f"--checkpoint B={path}: .*{why}"):
+            assign_checkpoints(cfg, [f"B={path}"])
