@@ -20,9 +20,9 @@ SERVE_DESCRIPTION = "Serve the Tinker training API on Tandem (scripts written fo
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="the run config (YAML) whose environment, agents and eval settings are used")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="[AGENT=]DIR",
-                        help="weights to score: an HF model directory (repeatable); without AGENT= the "
-                             "directories go to the config's training agents in order; an agent without "
-                             "one uses its model_path")
+                        help="weights to score: an HF model directory or a LoRA run's adapter directory (repeatable); "
+                             "without AGENT= the directories go to the config's training agents in order; an agent "
+                             "without one uses its model_path")
     parser.add_argument("--opponent", action="append", default=[],
                         help="a scripted player of the environment (repeatable); default: the config's eval opponents")
     parser.add_argument("--episodes", type=int, default=None, help="games per opponent (default: the config's "

@@ -140,7 +140,8 @@ def _append(path: Path, lines: list[str]) -> None:
 def add_collect_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("config", help="the run config (YAML) whose environment, roles and agents are played")
     p.add_argument("--checkpoint", action="append", default=[], metavar="[AGENT=]DIR",
-                   help="weights for an agent (repeatable); without AGENT= they go to the training agents in order")
+                   help="weights for an agent: an HF model directory or a LoRA run's adapter directory (repeatable); "
+                        "without AGENT= they go to the training agents in order")
     p.add_argument("--episodes", type=int, required=True, help="episodes to play")
     p.add_argument("--out", required=True, help="the JSONL file to write")
     p.add_argument("--min-reward", type=float, default=None, help="keep only trajectories with at least this reward")
