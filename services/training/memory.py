@@ -18,7 +18,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache
 
@@ -84,7 +84,7 @@ def rss_mb() -> float | None:
 
 
 @cache
-def malloc_trim() -> ctypes._CFuncPtr | None:
+def malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None under another C library (musl, macOS)."""
     name = ctypes.util.find_library("c")
     try:

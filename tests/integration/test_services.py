@@ -74,7 +74,8 @@ async def test_trainer_handlers_train_commit_announce_once(redis_url: str, tiny_
     steps = [e for e in await entries(bus, s.events, Event) if e.kind == "train_step"]
     assert [e.weight_version for e in steps] == [1] and steps[0].batch_weight_version == 1
     assert steps[0].metrics["samples"] == 2
-    assert 0 < steps[0].metrics["rss_trimmed_mb"] <= steps[0].metrics["rss_mb"]  # the step's heap trimmed
+    m = steps[0].metrics  # the step's heap trimmed (other threads may allocate between the two readings)
+    assert 0 < m["rss_trimmed_mb"] <= m["rss_mb"] + 16
 
     await trainer.on_batch(batch)  # a redelivery: not trained again, the version is announced again
     assert trainer.weight_version == 1 and await bus.redis.llen(s.train_log("A")) == 1
