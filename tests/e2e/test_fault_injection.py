@@ -36,7 +36,6 @@ from services.contracts.streams import Streams
 from services.launcher.processes import LOST_EPISODES
 from services.launcher.up import failed_episodes
 from tests import aof_audit
-from tests.e2e.test_llm_smoke import real_model  # noqa: F401  (a fixture: the real chat model, for CONFIG=llm_answer)
 from tests.helpers import REPO, launch_up
 
 pytestmark = pytest.mark.slow
@@ -197,7 +196,7 @@ def kill_and_measure(proc, obs: Observer, kind: str, agent: str, rng: random.Ran
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, request):
     d = tmp_path_factory.mktemp("faults")
-    model = request.getfixturevalue("tiny_model_dir" if CONFIG == "demo" else "real_model")
+    model = request.getfixturevalue("tiny_model_dir" if CONFIG == "demo" else "real_model_dir")
     path = write_config(d, model)
     log = d / "launcher.log"
     proc = launch_up(path, stdout=log.open("w"), text=True)
