@@ -164,7 +164,7 @@ def pipeline_command(args: argparse.Namespace) -> int:
         sft_root = Path(cfg.run.checkpoint_root) / f"{cfg.run.name}-sft"
         clear_or_refuse(stage_dir, args.fresh, "pipeline")
         clear_or_refuse(sft_root, args.fresh, "pipeline")
-        manifest = run_stages_apart(cfg, data, stage_dir, sft_root)
+        manifest, data = run_stages_apart(cfg, data, stage_dir, sft_root)
         rl_cfg = parse_config(apply_env_overrides(copy.deepcopy(data)), f"{args.config} (pipeline RL stage)")
         rl_path = write_effective(rl_cfg, data, f"{args.config}, RL stage of tandem pipeline")
     except ConfigError as exc:
@@ -185,15 +185,13 @@ def pipeline_command(args: argparse.Namespace) -> int:
     return code
 
 
-def run_stages_apart(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path, sft_root: Path) -> dict[str, Any]:
+def run_stages_apart(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path,
+                     sft_root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``run_stages`` in a child process: the models, optimizer states and allocator heap of the collect and SFT
     stages go back to the OS before the RL stage's services start (held, they were gigabytes of its memory)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        manifest, updated = pool.submit(run_stages, cfg, data, stage_dir, sft_root).result()
-    data.clear()
-    data.update(updated)
-    return manifest
+        return pool.submit(run_stages, cfg, data, stage_dir, sft_root).result()
 
 
 def run_stages(cfg: TandemConfig, data: dict[str, Any], stage_dir: Path,
